@@ -1,0 +1,1 @@
+"""Reinforcement learning: samples, packing, environments, orchestrator, trainer."""
