@@ -1,0 +1,1 @@
+"""The rawmm kopf operator: RLRun custom resources in, the running stack out."""
