@@ -1,0 +1,193 @@
+"""The one run configuration: what `rawmm run` reads from YAML and what the operator writes for its pods.
+
+Every section is a strict pydantic model (unknown keys are errors). The RLRun spec of the operator
+derives its sections from these models, so a field added here with a default appears in both places.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from rawmm.quantity import BYTE_SIZE_PATTERN, parse_byte_size
+
+Preset = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "kimi_k25"]
+ProcessorBackend = Literal["pil", "torchvision"]
+Engine = Literal["transformers", "vllm"]
+MissingImagePolicy = Literal["error", "zero_loss"]
+
+class ConfigError(ValueError):
+    """A run configuration that cannot be used; the message names every offending field."""
+
+
+class StrictModel(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSettings(StrictModel):
+    """What identifies the processor: shared by the run config and the RLRun's model section."""
+
+    preset: Preset
+    processor_backend: ProcessorBackend = "pil"
+    trust_remote_code: bool = False
+
+
+class ModelConfig(ModelSettings):
+    path: str = Field(min_length=1, description="local checkpoint directory or hub id")
+
+
+class InferenceSettings(StrictModel):
+    """Inference settings shared by local runs and the RLRun's inference section."""
+
+    engine: Engine = "transformers"
+    replicas: int = Field(default=1, ge=1)
+    materialize_cache_size: str = Field(
+        default="2Gi",
+        json_schema_extra={"pattern": BYTE_SIZE_PATTERN},
+        description="byte budget of each engine's materialize cache: bytes or a quantity such as 2Gi; 0 disables",
+    )
+
+    @field_validator("materialize_cache_size", mode="before")
+    @classmethod
+    def _size_as_text(cls, value: Any) -> Any:
+        # YAML reads `0` or `1073741824` as an int; the quantity text is what we keep and pass on.
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        return value
+
+    @field_validator("materialize_cache_size")
+    @classmethod
+    def _size_parses(cls, value: str) -> str:
+        parse_byte_size(value)
+        return value
+
+    @property
+    def cache_size_bytes(self) -> int:
+        return parse_byte_size(self.materialize_cache_size)
+
+
+class InferenceConfig(InferenceSettings):
+    urls: list[str] = Field(
+        default_factory=list, description="engine base URLs; empty means `rawmm run` starts local replicas"
+    )
+    base_port: int = Field(default=8100, ge=1, le=65535)
+
+    @field_validator("urls")
+    @classmethod
+    def _urls_are_http(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"engine URL {url!r} must start with http:// or https://")
+        return [url.rstrip("/") for url in urls]
+
+
+class EnvironmentConfig(StrictModel):
+    name: str = Field(default="shapes-multiturn", min_length=1)
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class SamplingConfig(StrictModel):
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+
+
+class OrchestratorConfig(StrictModel):
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
+    prompts_per_step: int = Field(default=2, ge=1)
+    rollouts_per_prompt: int = Field(default=4, ge=1)
+    max_turns: int = Field(default=3, ge=1)
+    max_tokens: int = Field(default=16, ge=1)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    max_async_level: int = Field(default=1, ge=0)
+    seed: int = 0
+
+
+class TrainerConfig(StrictModel):
+    steps: int = Field(default=2, ge=1)
+    learning_rate: float = Field(default=1e-5, gt=0.0)
+    seq_len: int = Field(default=2048, ge=1)
+    micro_batch_tokens: int = Field(default=4096, ge=1)
+    missing_image_policy: MissingImagePolicy = "error"
+    clip_ratio_low: float = Field(default=0.2, ge=0.0)
+    clip_ratio_high: float = Field(default=0.28, ge=0.0)
+    max_grad_norm: float = Field(default=1.0, gt=0.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    seed: int = 0
+
+
+class MonitoringConfig(StrictModel):
+    """Metrics ports (engines serve /metrics on their HTTP port). 0 = pick a free port / disabled in tests."""
+
+    orchestrator_metrics_port: int = Field(default=9101, ge=0, le=65535)
+    trainer_metrics_port: int = Field(default=9102, ge=0, le=65535)
+
+
+class RunConfig(StrictModel):
+    name: str = Field(default="rawmm-run", min_length=1)
+    model: ModelConfig
+    shared_dir: Path
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
+
+    @property
+    def offload_dir(self) -> Path:
+        return self.shared_dir / "images"
+
+    @property
+    def rollouts_dir(self) -> Path:
+        return self.shared_dir / "rollouts"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.shared_dir / "checkpoints"
+
+    @classmethod
+    def from_mapping(cls, data: Any, *, source: str = "run config") -> RunConfig:
+        """Validate parsed YAML/JSON; raise `ConfigError` listing every bad field by its dotted path."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, source=source)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> RunConfig:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read run config: {exc.strerror or exc}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        return cls.from_mapping(data, source=str(path))
+
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        """The YAML text (snake_case, every field); also written to `path` when given."""
+        text = yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+
+def format_validation_error(exc: ValidationError, *, source: str) -> str:
+    """One line per problem, each naming the field by its dotted path (`inference.replicas: ...`)."""
+    lines = []
+    for error in exc.errors(include_url=False):
+        field = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = "unknown field"
+        elif error["type"] == "missing":
+            message = "required field is missing"
+        lines.append(f"{field}: {message}")
+    return f"{source}: invalid run config:\n  " + "\n  ".join(lines)

@@ -1,0 +1,148 @@
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rawmm.config import ConfigError, RunConfig
+from rawmm.quantity import BYTE_SIZE_PATTERN, parse_byte_size
+
+MINIMAL = {"model": {"path": "/models/tiny", "preset": "qwen2_vl"}, "shared_dir": "/tmp/run"}
+
+
+def write_yaml(tmp_path: Path, data: object) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0", 0),
+        ("1536", 1536),
+        ("2Gi", 2 * 1024**3),
+        ("1.5Ki", 1536),
+        ("500M", 500_000_000),
+        ("4k", 4000),
+        (".5Mi", 512 * 1024),
+        ("0.1k", 100),
+        ("1.0001k", 1001),  # rounds up, as Kubernetes does for memory
+        (4096, 4096),
+    ],
+)
+def test_parse_byte_size_accepts_bytes_and_quantities(text: str | int, expected: int) -> None:
+    assert parse_byte_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "2GB", "2gi", "-1", "1e3", "500m", "Gi", "1..5Gi", "1 Gi", -1, True])
+def test_parse_byte_size_rejects_with_the_value_in_the_message(text: str | int) -> None:
+    with pytest.raises(ValueError, match="invalid byte size"):
+        parse_byte_size(text)
+
+
+@pytest.mark.parametrize("text", ["0", "2Gi", "1.5Ki", ".5Mi", "2GB", "2gi", "1e3", "500m", "1 Gi"])
+def test_crd_pattern_accepts_exactly_what_the_parser_accepts(text: str) -> None:
+    try:
+        parse_byte_size(text)
+        parses = True
+    except ValueError:
+        parses = False
+    assert (re.fullmatch(BYTE_SIZE_PATTERN, text) is not None) == parses
+
+
+def test_minimal_yaml_fills_documented_defaults_and_derived_dirs(tmp_path: Path) -> None:
+    config = RunConfig.from_yaml(write_yaml(tmp_path, MINIMAL))
+    assert config.name == "rawmm-run"
+    assert config.inference.engine == "transformers"
+    assert config.inference.cache_size_bytes == 2 * 1024**3
+    assert config.inference.urls == []
+    assert config.orchestrator.environment.name == "shapes-multiturn"
+    assert config.trainer.missing_image_policy == "error"
+    assert config.monitoring.orchestrator_metrics_port == 9101
+    assert config.offload_dir == Path("/tmp/run/images")
+    assert config.rollouts_dir == Path("/tmp/run/rollouts")
+    assert config.checkpoints_dir == Path("/tmp/run/checkpoints")
+
+
+def test_yaml_round_trip_keeps_every_value(tmp_path: Path) -> None:
+    data = {
+        **MINIMAL,
+        "name": "exp-1",
+        "model": {"path": "Qwen/Qwen3-VL-4B-Instruct", "preset": "qwen3_vl", "processor_backend": "torchvision"},
+        "inference": {"engine": "vllm", "replicas": 3, "materialize_cache_size": "4Gi", "urls": ["http://e-0:8000/"]},
+        "orchestrator": {"environment": {"name": "shapes", "args": {"max_shapes": 5}}, "sampling": {"top_p": 0.9}},
+        "trainer": {"steps": 7, "learning_rate": 3e-6, "missing_image_policy": "zero_loss"},
+    }
+    config = RunConfig.from_yaml(write_yaml(tmp_path, data))
+    out = tmp_path / "out.yaml"
+    text = config.to_yaml(out)
+    assert out.read_text() == text
+    assert RunConfig.from_yaml(out) == config
+    dumped = yaml.safe_load(text)
+    assert dumped["shared_dir"] == "/tmp/run"
+    assert dumped["inference"]["urls"] == ["http://e-0:8000"]  # trailing slash normalized
+    assert dumped["orchestrator"]["environment"]["args"] == {"max_shapes": 5}
+    assert dumped["trainer"]["learning_rate"] == 3e-6
+
+
+def test_integer_cache_size_from_yaml_is_kept_as_text(tmp_path: Path) -> None:
+    config = RunConfig.from_yaml(write_yaml(tmp_path, {**MINIMAL, "inference": {"materialize_cache_size": 0}}))
+    assert config.inference.materialize_cache_size == "0"
+    assert config.inference.cache_size_bytes == 0
+
+
+@pytest.mark.parametrize(
+    ("patch", "field", "fragment"),
+    [
+        ({"inference": {"materialize_cache_size": "2GB"}}, "inference.materialize_cache_size", "invalid byte size '2GB'"),
+        ({"inference": {"replicas": 0}}, "inference.replicas", "greater than or equal to 1"),
+        ({"inference": {"engine": "tgi"}}, "inference.engine", "'transformers' or 'vllm'"),
+        ({"inference": {"urls": ["engine-0:8000"]}}, "inference.urls", "must start with http"),
+        ({"inference": {"cache": "2Gi"}}, "inference.cache", "unknown field"),
+        ({"orchestrator": {"sampling": {"top_p": 0}}}, "orchestrator.sampling.top_p", "greater than 0"),
+        ({"trainer": {"missing_image_policy": "skip"}}, "trainer.missing_image_policy", "'error' or 'zero_loss'"),
+        ({"trainer": {"learning_rate": -1}}, "trainer.learning_rate", "greater than 0"),
+        ({"monitoring": {"trainer_metrics_port": 70000}}, "monitoring.trainer_metrics_port", "less than or equal"),
+        ({"model": {"path": "/m", "preset": "llava"}}, "model.preset", "qwen2_vl"),
+        ({"model": {"preset": "qwen2_vl"}}, "model.path", "required field is missing"),
+        ({"extra_top": 1}, "extra_top", "unknown field"),
+    ],
+)
+def test_bad_values_name_the_field(tmp_path: Path, patch: dict, field: str, fragment: str) -> None:
+    path = write_yaml(tmp_path, {**MINIMAL, **patch})
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_yaml(path)
+    message = str(info.value)
+    assert str(path) in message
+    assert f"{field}: " in message
+    assert fragment in message
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, {"model": {"path": "/m", "preset": "qwen2_vl"}, "trainer": {"steps": 0}})
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_yaml(path)
+    assert "shared_dir: required field is missing" in str(info.value)
+    assert "trainer.steps: " in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "", "key: [unclosed\n"])
+def test_non_mapping_or_broken_yaml_is_a_config_error(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=str(path)):
+        RunConfig.from_yaml(path)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read run config"):
+        RunConfig.from_yaml(tmp_path / "absent.yaml")
+
+
+def test_assignment_is_validated() -> None:
+    config = RunConfig.from_mapping(MINIMAL)
+    with pytest.raises(ValueError, match="invalid byte size"):
+        config.inference.materialize_cache_size = "lots"
