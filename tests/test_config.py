@@ -71,9 +71,21 @@ def test_yaml_round_trip_keeps_every_value(tmp_path: Path) -> None:
     data = {
         **MINIMAL,
         "name": "exp-1",
-        "model": {"path": "Qwen/Qwen3-VL-4B-Instruct", "preset": "qwen3_vl", "processor_backend": "torchvision"},
-        "inference": {"engine": "vllm", "replicas": 3, "materialize_cache_size": "4Gi", "urls": ["http://e-0:8000/"]},
-        "orchestrator": {"environment": {"name": "shapes", "args": {"max_shapes": 5}}, "sampling": {"top_p": 0.9}},
+        "model": {
+            "path": "Qwen/Qwen3-VL-4B-Instruct",
+            "preset": "qwen3_vl",
+            "processor_backend": "torchvision",
+        },
+        "inference": {
+            "engine": "vllm",
+            "replicas": 3,
+            "materialize_cache_size": "4Gi",
+            "urls": ["http://e-0:8000/"],
+        },
+        "orchestrator": {
+            "environment": {"name": "shapes", "args": {"max_shapes": 5}},
+            "sampling": {"top_p": 0.9},
+        },
         "trainer": {"steps": 7, "learning_rate": 3e-6, "missing_image_policy": "zero_loss"},
     }
     config = RunConfig.from_yaml(write_yaml(tmp_path, data))
@@ -89,7 +101,9 @@ def test_yaml_round_trip_keeps_every_value(tmp_path: Path) -> None:
 
 
 def test_integer_cache_size_from_yaml_is_kept_as_text(tmp_path: Path) -> None:
-    config = RunConfig.from_yaml(write_yaml(tmp_path, {**MINIMAL, "inference": {"materialize_cache_size": 0}}))
+    config = RunConfig.from_yaml(
+        write_yaml(tmp_path, {**MINIMAL, "inference": {"materialize_cache_size": 0}})
+    )
     assert config.inference.materialize_cache_size == "0"
     assert config.inference.cache_size_bytes == 0
 
@@ -97,15 +111,27 @@ def test_integer_cache_size_from_yaml_is_kept_as_text(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("patch", "field", "fragment"),
     [
-        ({"inference": {"materialize_cache_size": "2GB"}}, "inference.materialize_cache_size", "invalid byte size '2GB'"),
+        (
+            {"inference": {"materialize_cache_size": "2GB"}},
+            "inference.materialize_cache_size",
+            "invalid byte size '2GB'",
+        ),
         ({"inference": {"replicas": 0}}, "inference.replicas", "greater than or equal to 1"),
         ({"inference": {"engine": "tgi"}}, "inference.engine", "'transformers' or 'vllm'"),
         ({"inference": {"urls": ["engine-0:8000"]}}, "inference.urls", "must start with http"),
         ({"inference": {"cache": "2Gi"}}, "inference.cache", "unknown field"),
         ({"orchestrator": {"sampling": {"top_p": 0}}}, "orchestrator.sampling.top_p", "greater than 0"),
-        ({"trainer": {"missing_image_policy": "skip"}}, "trainer.missing_image_policy", "'error' or 'zero_loss'"),
+        (
+            {"trainer": {"missing_image_policy": "skip"}},
+            "trainer.missing_image_policy",
+            "'error' or 'zero_loss'",
+        ),
         ({"trainer": {"learning_rate": -1}}, "trainer.learning_rate", "greater than 0"),
-        ({"monitoring": {"trainer_metrics_port": 70000}}, "monitoring.trainer_metrics_port", "less than or equal"),
+        (
+            {"monitoring": {"trainer_metrics_port": 70000}},
+            "monitoring.trainer_metrics_port",
+            "less than or equal",
+        ),
         ({"model": {"path": "/m", "preset": "llava"}}, "model.preset", "qwen2_vl"),
         ({"model": {"preset": "qwen2_vl"}}, "model.path", "required field is missing"),
         ({"extra_top": 1}, "extra_top", "unknown field"),

@@ -19,6 +19,7 @@ ProcessorBackend = Literal["pil", "torchvision"]
 Engine = Literal["transformers", "vllm"]
 MissingImagePolicy = Literal["error", "zero_loss"]
 
+
 class ConfigError(ValueError):
     """A run configuration that cannot be used; the message names every offending field."""
 
