@@ -4,13 +4,20 @@ from rawmm.rl.packing import concat_samples, pack_samples
 from rawmm.rl.samples import Sample, SampleError, build_mm_refs, validate_image_spans
 
 
-def make_sample(sample_id: str, n_tokens: int, spans: list[tuple[int, int]] = (), family: str = "qwen_vl") -> Sample:
+def make_sample(
+    sample_id: str, n_tokens: int, spans: list[tuple[int, int]] = (), family: str = "qwen_vl"
+) -> Sample:
     types = [0] * n_tokens
     for offset, length in spans:
         types[offset : offset + length] = [1] * length
     refs = build_mm_refs(
         [
-            {"family": family, "modality": "image", "payload": {}, "raw_image_uri": f"file:///o/{sample_id}-{i}.png"}
+            {
+                "family": family,
+                "modality": "image",
+                "payload": {},
+                "raw_image_uri": f"file:///o/{sample_id}-{i}.png",
+            }
             for i in range(len(spans))
         ],
         [f"{i:032x}" for i in range(len(spans))],
@@ -66,7 +73,10 @@ def test_text_only_samples_fill_image_bins_then_open_their_own():
 
 
 def test_every_sample_is_packed_once_within_capacity():
-    samples = [make_sample(f"s{i}", n, [(0, 2)] if i % 2 else []) for i, n in enumerate([50, 7, 33, 64, 12, 64, 1, 29])]
+    samples = [
+        make_sample(f"s{i}", n, [(0, 2)] if i % 2 else [])
+        for i, n in enumerate([50, 7, 33, 64, 12, 64, 1, 29])
+    ]
     batches = pack_samples(samples, 64)
     packed_ids = sorted(s.sample_id for b in batches for s in b.samples)
     assert packed_ids == sorted(s.sample_id for s in samples)

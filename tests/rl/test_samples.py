@@ -47,7 +47,9 @@ def image_sample(spans: list[tuple[int, int]], n_tokens: int, sample_id: str = "
 
 def test_build_mm_refs_keeps_order_and_descriptors():
     refs = build_mm_refs(
-        [descriptor("a"), descriptor("b")], ["a" * 32, "b" * 32], [{"offset": 2, "length": 3}, {"offset": 7, "length": 2}]
+        [descriptor("a"), descriptor("b")],
+        ["a" * 32, "b" * 32],
+        [{"offset": 2, "length": 3}, {"offset": 7, "length": 2}],
     )
     assert [r.uri for r in refs] == ["file:///offload/a.png", "file:///offload/b.png"]
     assert [(r.offset, r.length, r.mm_hash[0]) for r in refs] == [(2, 3, "a"), (7, 2, "b")]
@@ -67,7 +69,12 @@ def test_build_mm_refs_accepts_objects_with_to_dict():
     ("descriptors", "hashes", "placeholders", "message"),
     [
         ([descriptor("a")], ["a" * 32, "b" * 32], [{"offset": 0, "length": 1}], "counts disagree"),
-        ([{**descriptor("a"), "raw_image_uri": "http://x/a.png"}], ["a" * 32], [{"offset": 0, "length": 1}], "file://"),
+        (
+            [{**descriptor("a"), "raw_image_uri": "http://x/a.png"}],
+            ["a" * 32],
+            [{"offset": 0, "length": 1}],
+            "file://",
+        ),
         ([descriptor("a")], ["a" * 32], [{"offset": -1, "length": 1}], "offset=-1"),
         ([descriptor("a")], ["a" * 32], [{"offset": 0, "length": 0}], "length=0"),
         (
@@ -92,7 +99,9 @@ def test_build_mm_refs_rejects_bad_input(descriptors, hashes, placeholders, mess
 def test_build_mm_refs_error_names_the_image():
     with pytest.raises(SampleError, match=r"image 1 \(file:///offload/b.png\)"):
         build_mm_refs(
-            [descriptor("a"), descriptor("b")], ["a" * 32, "b" * 32], [{"offset": 0, "length": 2}, {"offset": 1, "length": 1}]
+            [descriptor("a"), descriptor("b")],
+            ["a" * 32, "b" * 32],
+            [{"offset": 0, "length": 2}, {"offset": 1, "length": 1}],
         )
 
 
@@ -106,7 +115,10 @@ def test_validate_image_spans_accepts_aligned_spans():
     [
         ([0, 0, 1, 1, 1, 0, 1, 1, 0, 0], "covers 1 non-image tokens, first at 1"),  # span starts one early
         ([0, 1, 1, 0, 0, 0, 1, 1, 0, 0], "covers 1 non-image tokens, first at 3"),  # span too long
-        ([0, 1, 1, 1, 1, 0, 1, 1, 0, 0], "6 image-typed tokens but the 2 image spans cover 5"),  # image tokens outside any span
+        (
+            [0, 1, 1, 1, 1, 0, 1, 1, 0, 0],
+            "6 image-typed tokens but the 2 image spans cover 5",
+        ),  # image tokens outside any span
     ],
 )
 def test_validate_image_spans_detects_drift(types, message):
@@ -123,7 +135,9 @@ def test_validate_image_spans_rejects_span_past_the_end():
 
 def test_sample_rejects_misaligned_arrays_and_mixed_families():
     with pytest.raises(SampleError, match="loss_mask has 1 entries, token_ids has 2"):
-        Sample(token_ids=[1, 2], mm_token_type_ids=[0, 0], loss_mask=[True], advantages=[0, 0], logprobs=[0, 0])
+        Sample(
+            token_ids=[1, 2], mm_token_type_ids=[0, 0], loss_mask=[True], advantages=[0, 0], logprobs=[0, 0]
+        )
     refs = MMRefs(
         images=(
             build_mm_refs([descriptor("a")], ["a" * 32], [{"offset": 0, "length": 1}])[0],
@@ -131,7 +145,14 @@ def test_sample_rejects_misaligned_arrays_and_mixed_families():
         )
     )
     with pytest.raises(SampleError, match="mixes image families"):
-        Sample(token_ids=[1, 2], mm_token_type_ids=[1, 1], loss_mask=[0, 0], advantages=[0, 0], logprobs=[0, 0], mm_refs=refs)
+        Sample(
+            token_ids=[1, 2],
+            mm_token_type_ids=[1, 1],
+            loss_mask=[0, 0],
+            advantages=[0, 0],
+            logprobs=[0, 0],
+            mm_refs=refs,
+        )
 
 
 def assert_prefix(truncated: Sample, original: Sample, n: int) -> None:
@@ -195,7 +216,12 @@ def test_decode_batch_rejects_truncated_and_invalid_payloads():
     with pytest.raises(SampleError, match="unreadable"):
         decode_batch(data[:-5])
     bad = msgspec.msgpack.encode(
-        {"step": 1, "samples": [{"token_ids": [1], "mm_token_type_ids": [], "loss_mask": [], "advantages": [], "logprobs": []}]}
+        {
+            "step": 1,
+            "samples": [
+                {"token_ids": [1], "mm_token_type_ids": [], "loss_mask": [], "advantages": [], "logprobs": []}
+            ],
+        }
     )
     with pytest.raises(SampleError, match=r"invalid rollout batch.*mm_token_type_ids has 0 entries"):
         decode_batch(bad)
