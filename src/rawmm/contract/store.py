@@ -1,0 +1,228 @@
+"""The content-addressed offload store (DESIGN §3.1).
+
+``<root>/<sha[0:2]>/<sha>.<ext>``: the bytes' sha256 names the file, so equal bytes always land on one
+path and one URI. Writes go to a temporary file in the target directory and are published with
+``os.replace``, so a reader never sees a partial file and concurrent writers of the same bytes simply
+replace an identical file. Re-offloading existing bytes touches the file: its mtime is its last use.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import os
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote, urlsplit
+
+from PIL import Image, UnidentifiedImageError
+
+from rawmm.contract.errors import ImageIngestError, InvalidImageRef
+from rawmm.contract.refs import check_mm_hash
+
+MM_HASH_CHARS = 32
+_EXT_BY_FORMAT = {"PNG": "png", "JPEG": "jpg", "WEBP": "webp", "GIF": "gif"}
+_STORED_NAME_RE = re.compile(r"([0-9a-f]{64})\.(png|jpg|webp|gif|img)")
+
+
+@dataclass(frozen=True)
+class StoredImage:
+    """One image in the store. ``mm_hash`` is the first 32 hex characters of ``sha256``."""
+
+    uri: str
+    sha256: str
+    path: Path
+    width: int
+    height: int
+
+    @property
+    def mm_hash(self) -> str:
+        return self.sha256[:MM_HASH_CHARS]
+
+
+def path_to_uri(path: Path) -> str:
+    """``file://`` URI of an absolute path (empty netloc), percent-quoting what needs it."""
+    return "file://" + quote(str(path))
+
+
+def resolve_uri(uri: Any, roots: Sequence[Path]) -> Path:
+    """The real path a ``file://`` URI names, provided it lies inside one of ``roots``.
+
+    Symlinks are resolved before the check, so a link out of the root is as outside as ``..``.
+    Raises ``InvalidImageRef``: ``outside_offload_root`` (other scheme or host, relative path, escape),
+    ``malformed_ref`` (not a URI), ``missing_file`` (inside the root but absent), ``unreadable_file``.
+    """
+    if not isinstance(uri, str):
+        raise InvalidImageRef("malformed_ref", f"image URI must be a string, got {type(uri).__name__}")
+    try:
+        parts = urlsplit(uri)
+    except ValueError as exc:
+        raise InvalidImageRef("malformed_ref", f"not a URI: {exc}") from None
+    if parts.scheme != "file":
+        raise InvalidImageRef(
+            "outside_offload_root", f"only file:// URIs are read, got scheme {parts.scheme!r}"
+        )
+    if parts.netloc not in ("", "localhost"):
+        raise InvalidImageRef("outside_offload_root", f"file URI names another host {parts.netloc!r}")
+    if parts.query or parts.fragment:
+        raise InvalidImageRef("malformed_ref", "file URI carries a query or fragment")
+    try:
+        raw_path = unquote(parts.path, errors="strict")
+    except UnicodeDecodeError:
+        raise InvalidImageRef("malformed_ref", "file URI path is not UTF-8") from None
+    if "\x00" in raw_path:
+        raise InvalidImageRef("malformed_ref", "file URI contains a NUL byte")
+    candidate = Path(raw_path)
+    if not candidate.is_absolute():
+        raise InvalidImageRef("outside_offload_root", f"file URI path {raw_path!r} is not absolute")
+    try:
+        real = candidate.resolve()
+    except (OSError, RuntimeError) as exc:
+        raise InvalidImageRef("unreadable_file", f"cannot resolve {raw_path!r}: {exc}") from None
+    if not any(real != root and real.is_relative_to(root) for root in roots):
+        raise InvalidImageRef("outside_offload_root", f"{raw_path!r} is outside the offload root")
+    if not real.exists():
+        raise InvalidImageRef("missing_file", f"{raw_path!r} does not exist")
+    if not real.is_file():
+        raise InvalidImageRef("unreadable_file", f"{raw_path!r} is not a regular file")
+    return real
+
+
+def _identify(data: bytes, source: str) -> tuple[str, int, int]:
+    """(extension, width, height) of encoded image bytes, reading only the header."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return _EXT_BY_FORMAT.get(image.format or "", "img"), image.width, image.height
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as exc:
+        raise ImageIngestError(f"{source} is not a readable image: {exc}") from None
+
+
+def _decode_data_url(url: str) -> bytes:
+    header, sep, body = url.partition(",")
+    if not sep:
+        raise ImageIngestError("data: URL has no ',' separator")
+    media_type, *params = header[len("data:") :].split(";")
+    if media_type and not media_type.startswith("image/"):
+        raise ImageIngestError(f"data: URL holds {media_type!r}, not an image")
+    if "base64" in params:
+        try:
+            return base64.b64decode(body, validate=True)
+        except binascii.Error as exc:
+            raise ImageIngestError(f"data: URL has invalid base64: {exc}") from None
+    return unquote(body).encode("latin-1")
+
+
+def _touch(path: Path) -> bool:
+    """Mark a stored file as just used; False if it does not exist."""
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        return False
+    except PermissionError:
+        pass  # written by another user on a shared volume: it exists, the mtime just stays
+    return True
+
+
+class OffloadStore:
+    """A content-addressed image directory shared by every process of a run."""
+
+    def __init__(self, root: str | Path) -> None:
+        Path(root).mkdir(parents=True, exist_ok=True)
+        self.root = Path(root).resolve()
+
+    def put(self, image: Any, media_type: str | None = None) -> StoredImage:
+        """Offload ``image``: bytes, a PIL image, a ``data:`` URL, a local path or a ``file://`` URI under the root.
+
+        ``media_type`` is the caller's declared type; it must be an image type, but the file extension
+        always follows the bytes' real format, so equal bytes share one path whatever was declared.
+        """
+        if media_type is not None and not media_type.startswith("image/"):
+            raise ImageIngestError(f"media type {media_type!r} is not an image type")
+        if isinstance(image, bytes | bytearray | memoryview):
+            return self._put_bytes(bytes(image), "image bytes")
+        if isinstance(image, Image.Image):
+            buffer = io.BytesIO()
+            image.save(buffer, format="PNG")
+            return self._put_bytes(buffer.getvalue(), "PIL image")
+        if isinstance(image, Path):
+            return self._put_file(image)
+        if isinstance(image, str):
+            if image.startswith("data:"):
+                return self._put_bytes(_decode_data_url(image), "data: URL")
+            if image.startswith("file://"):
+                return self._put_existing(image)
+            if "://" in image:
+                raise ImageIngestError(
+                    f"cannot ingest {image[:80]!r}: only data:, file:// and local paths are supported"
+                )
+            return self._put_file(Path(image))
+        raise ImageIngestError(f"cannot ingest an image given as {type(image).__name__}")
+
+    def resolve(self, uri: str) -> Path:
+        """The path of a ``file://`` URI inside this store's root (see ``resolve_uri``)."""
+        return resolve_uri(uri, (self.root,))
+
+    def read_verified(self, uri: str, mm_hash: str) -> bytes:
+        """The bytes at ``uri``, checked against ``mm_hash`` (a sha256 hex prefix)."""
+        check_mm_hash(mm_hash)
+        path = self.resolve(uri)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise InvalidImageRef("missing_file", f"{path} vanished before it was read") from None
+        except OSError as exc:
+            raise InvalidImageRef("unreadable_file", f"cannot read {path}: {exc}") from None
+        if not hashlib.sha256(data).hexdigest().startswith(mm_hash):
+            raise InvalidImageRef("hash_mismatch", f"bytes at {uri} do not hash to {mm_hash}")
+        return data
+
+    def _put_file(self, path: Path) -> StoredImage:
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise ImageIngestError(
+                f"cannot read image file {str(path)[:200]!r}: {exc.strerror or exc}"
+            ) from None
+        return self._put_bytes(data, str(path))
+
+    def _put_existing(self, uri: str) -> StoredImage:
+        path = self.resolve(uri)
+        match = _STORED_NAME_RE.fullmatch(path.name)
+        if match is None or path.parent.parent != self.root or path.parent.name != match.group(1)[:2]:
+            # A file under the root that the store did not name: ingest its bytes properly.
+            return self._put_file(path)
+        _touch(path)
+        try:
+            with Image.open(path) as image:
+                width, height = image.size
+        except (UnidentifiedImageError, Image.DecompressionBombError, OSError) as exc:
+            raise ImageIngestError(f"stored file {path} is not a readable image: {exc}") from None
+        return StoredImage(
+            uri=path_to_uri(path), sha256=match.group(1), path=path, width=width, height=height
+        )
+
+    def _put_bytes(self, data: bytes, source: str) -> StoredImage:
+        ext, width, height = _identify(data, source)
+        sha = hashlib.sha256(data).hexdigest()
+        path = self.root / sha[:2] / f"{sha}.{ext}"
+        if not _touch(path):
+            self._write_atomic(path, data)
+        return StoredImage(uri=path_to_uri(path), sha256=sha, path=path, width=width, height=height)
+
+    @staticmethod
+    def _write_atomic(path: Path, data: bytes) -> None:
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+        try:
+            with open(tmp, "xb") as handle:
+                handle.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise

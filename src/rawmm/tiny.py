@@ -1,0 +1,264 @@
+"""Tiny random-weight Qwen-VL checkpoints, built locally in seconds (nothing is downloaded).
+
+A checkpoint directory holds what ``from_pretrained`` (and vLLM) expect of a real Qwen2-VL / Qwen3-VL
+release: a standard ``config.json`` with the vision config and special-token ids, safetensors weights,
+a byte-level BPE tokenizer trained here on a small built-in corpus with Qwen's special tokens and a
+Qwen-style chat template, a generation config and a processor (image processor + tokenizer).
+
+The image processor keeps the preset's values except ``max_pixels``, which defaults to at most
+``TINY_MAX_TOKENS`` placeholder tokens per image so that demos and CPU tests stay fast; pass
+``max_pixels`` to change it. Everything is deterministic per seed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rawmm.contract.families import QwenVLConfig, resolve_preset
+
+TINY_PRESETS: tuple[str, ...] = ("qwen2_vl", "qwen3_vl")
+TINY_MAX_TOKENS = 256  # default max_pixels = TINY_MAX_TOKENS * (patch * merge)^2
+TOKENIZER_VOCAB = 640  # learned byte-level BPE vocabulary, before the special tokens
+
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# Qwen's chat format: one <|vision_start|><|image_pad|><|vision_end|> per image part, in order.
+# Any part that is not text (image_url / image with any source key) counts as an image.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] is not none %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Same split as Qwen2's tokenizer: contractions, letters, single digits, punctuation runs, whitespace.
+_PRETOKENIZE_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
+def _corpus() -> Iterator[str]:
+    """Deterministic training text: chat, shapes and colours, digits, some code-ish punctuation."""
+    colours = ("red", "green", "blue", "yellow", "purple", "orange", "black", "white", "gray", "pink")
+    shapes = ("square", "circle", "triangle", "rectangle", "star", "line", "dot", "cross")
+    sizes = ("small", "large", "tiny", "big", "medium")
+    yield "You are a helpful assistant. Describe the image. What do you see in the picture?"
+    yield "The answer is: yes. No, that is not right. Count the objects and tell me how many there are."
+    yield "Think step by step, then answer with a single word or number."
+    for i, colour in enumerate(colours):
+        for j, shape in enumerate(shapes):
+            size = sizes[(i + j) % len(sizes)]
+            yield f"There is a {size} {colour} {shape} at ({i * 10 + j}, {j * 7 + i}) in the image."
+            yield f"Q: Which shape is {colour}? A: the {shape}. Score: {i + j}/{len(shapes)}."
+    yield "def f(x): return [x + 1, x * 2] # {'key': \"value\"} <= >= != == -> ... ;:"
+    yield " ".join(str(n) for n in range(100))
+
+
+def build_tokenizer() -> Any:
+    """A Qwen2Tokenizer (byte-level BPE) with Qwen's special tokens and chat template."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    bpe.train_from_iterator(_corpus(), trainer)
+    model = json.loads(bpe.to_str())["model"]
+    tokenizer = Qwen2Tokenizer(
+        vocab=model["vocab"],
+        merges=[tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]],
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|im_end|>", "<|endoftext|>")],
+        model_max_length=32768,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _model_config(preset: str, tokenizer: Any, image: QwenVLConfig) -> Any:
+    ids = {
+        name: tokenizer.convert_tokens_to_ids(token)
+        for name, token in (
+            ("image_token_id", "<|image_pad|>"),
+            ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"),
+            ("vision_end_token_id", "<|vision_end|>"),
+        )
+    }
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    text: dict[str, Any] = {
+        "vocab_size": _round_up(len(tokenizer), 64),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": None,
+        "eos_token_id": eos,
+        "pad_token_id": eos[1],
+        "tie_word_embeddings": False,
+    }
+    if preset == "qwen2_vl":
+        from transformers import Qwen2VLConfig
+
+        # head_dim 16 -> 8 rotary frequencies split over (t, h, w)
+        text["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": 1_000_000.0,
+            "mrope_section": [2, 3, 3],
+        }
+        vision = {
+            "depth": 2,
+            "embed_dim": 32,
+            "hidden_size": 64,
+            "num_heads": 2,
+            "mlp_ratio": 2,
+            "patch_size": image.patch_size,
+            "spatial_merge_size": image.merge_size,
+            "temporal_patch_size": image.temporal_patch_size,
+        }
+        return Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    from transformers import Qwen3VLConfig
+
+    text["head_dim"] = 16
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 5_000_000.0,
+        "mrope_section": [4, 2, 2],
+        "mrope_interleaved": True,
+    }
+    vision = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [1],
+        "patch_size": image.patch_size,
+        "spatial_merge_size": image.merge_size,
+        "temporal_patch_size": image.temporal_patch_size,
+    }
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+
+
+def build_tiny_model(preset: str, out: Path, seed: int = 0, *, max_pixels: int | None = None) -> Path:
+    """Write a tiny random-weight ``preset`` checkpoint (model, tokenizer, processor) to ``out``.
+
+    ``max_pixels`` defaults to ``TINY_MAX_TOKENS`` placeholder tokens' worth of pixels. The directory is
+    written next to ``out`` and renamed into place, so ``out`` is either absent or complete.
+    """
+    if preset not in TINY_PRESETS:
+        raise ValueError(f"tiny models exist for presets {TINY_PRESETS}, not {preset!r}")
+    import torch
+    from transformers import (
+        GenerationConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLProcessor,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLProcessor,
+    )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    _, image = resolve_preset(preset)
+    if max_pixels is None:
+        max_pixels = TINY_MAX_TOKENS * image.factor**2
+    if max_pixels < image.min_pixels:
+        raise ValueError(f"max_pixels {max_pixels} is below the preset's min_pixels {image.min_pixels}")
+
+    tokenizer = build_tokenizer()
+    config = _model_config(preset, tokenizer, image)
+    model_class = Qwen2VLForConditionalGeneration if preset == "qwen2_vl" else Qwen3VLForConditionalGeneration
+    processor_class = Qwen2VLProcessor if preset == "qwen2_vl" else Qwen3VLProcessor
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config).to(torch.float32).eval()
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=image.min_pixels,
+        max_pixels=max_pixels,
+        patch_size=image.patch_size,
+        merge_size=image.merge_size,
+        temporal_patch_size=image.temporal_patch_size,
+        image_mean=list(image.image_mean),
+        image_std=list(image.image_std),
+    )
+    # Processors need a video processor to load; rawmm sends no video, so it just mirrors the patch layout.
+    video_class = Qwen2VLVideoProcessor if preset == "qwen2_vl" else Qwen3VLVideoProcessor
+    video_processor = video_class(
+        patch_size=image.patch_size,
+        merge_size=image.merge_size,
+        temporal_patch_size=image.temporal_patch_size,
+        image_mean=list(image.image_mean),
+        image_std=list(image.image_std),
+    )
+    processor = processor_class(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
+    )
+    generation = GenerationConfig(
+        eos_token_id=config.text_config.eos_token_id, pad_token_id=config.text_config.pad_token_id
+    )
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(staging)
+        generation.save_pretrained(staging)
+        processor.save_pretrained(staging)
+        if out.exists():
+            shutil.rmtree(out)
+        for path in (staging, *staging.iterdir()):
+            path.chmod(0o755 if path.is_dir() else 0o644)  # readable by engine/trainer pods of other users
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out

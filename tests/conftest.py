@@ -1,0 +1,31 @@
+"""Fixtures shared by every test area: tiny checkpoints (built once per session) and an offload store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rawmm.contract import OffloadStore
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Qwen2-VL checkpoint directory (seed 0, default tiny max_pixels)."""
+    from rawmm.tiny import build_tiny_model
+
+    return build_tiny_model("qwen2_vl", tmp_path_factory.mktemp("tiny") / "qwen2_vl", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Qwen3-VL checkpoint directory (seed 0, default tiny max_pixels)."""
+    from rawmm.tiny import build_tiny_model
+
+    return build_tiny_model("qwen3_vl", tmp_path_factory.mktemp("tiny") / "qwen3_vl", seed=0)
+
+
+@pytest.fixture
+def offload_store(tmp_path: Path) -> OffloadStore:
+    """An empty offload store rooted in this test's tmp dir."""
+    return OffloadStore(tmp_path / "offload")
