@@ -1,0 +1,119 @@
+"""Forward a packed micro-batch so every sample sees only itself, as if it ran alone.
+
+Packing puts several samples in one row. Two things keep them apart:
+- positions restart at 0 for every sample, and
+- attention is block-diagonal per sample. transformers builds that mask itself when it gets packed
+  position ids and no attention mask (`masking_utils.find_packed_sequence_indices`: a position that
+  does not follow its predecessor starts a new sequence), so we pass no mask and no KV cache.
+
+The family's `ForwardPolicy` decides which positions the model gets:
+- `pass_position_ids=True` (Kimi): flat per-sample positions `[1, N]`.
+- `pass_position_ids=False` (Qwen-VL): no flat positions, because they would replace M-RoPE. The
+  model's own `get_rope_index` computes each sample's 3D M-RoPE positions; we stack the per-sample
+  text positions on top (`[4, 1, N]`, the layout transformers' Qwen-VL text models accept for
+  packed input) so the mask still sees the sample boundaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from itertools import accumulate
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rawmm.rl.packing import PackedMicroBatch
+
+if TYPE_CHECKING:
+    from rawmm.materialize import ForwardPolicy
+
+
+def sample_positions(seq_lens: Sequence[int]) -> torch.Tensor:
+    """Positions that restart at 0 at each sample start: `[0..a), [0..b), ...` as one `[N]` tensor."""
+    return torch.cat([torch.arange(n) for n in seq_lens])
+
+
+def _rows(values: torch.Tensor, seq_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split a packed `[N]` tensor into right-padded `[S, max_len]` rows plus their validity mask."""
+    width = max(seq_lens)
+    rows = values.new_zeros(len(seq_lens), width)
+    mask = torch.zeros(len(seq_lens), width, dtype=torch.long)
+    for i, piece in enumerate(torch.split(values, list(seq_lens))):
+        rows[i, : len(piece)] = piece
+        mask[i, : len(piece)] = 1
+    return rows, mask
+
+
+def mrope_position_ids(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    mm_token_type_ids: torch.Tensor,
+    seq_lens: Sequence[int],
+    mm_kwargs: Mapping[str, Any],
+) -> torch.Tensor:
+    """Per-sample M-RoPE positions of a packed row, from the model's own `get_rope_index`.
+
+    The samples become rows of a padded batch so one call handles them all: `get_rope_index` walks
+    the image grids in order across rows, which is exactly the packed image order.
+    """
+    base = getattr(model, "model", model)
+    if not hasattr(base, "get_rope_index"):
+        raise TypeError(f"{type(model).__name__} has no get_rope_index; its family must pass position ids")
+    ids_rows, mask = _rows(input_ids, seq_lens)
+    type_rows, _ = _rows(mm_token_type_ids, seq_lens)
+    rope_kwargs = {k: v for k, v in mm_kwargs.items() if k.endswith("grid_thw")}
+    positions, _ = base.get_rope_index(ids_rows, type_rows, attention_mask=mask, **rope_kwargs)
+    mrope = positions[:, mask.bool()]  # [3, N], back in packed order
+    text = sample_positions(seq_lens).to(mrope)
+    return torch.cat([text[None], mrope], dim=0)[:, None, :]
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:
+    """`out[j]` = log p(token j | the tokens of its sample before it); 0 at each sample's first token,
+    which nothing in its sample predicts. `logits` is `[N, V]`, `input_ids` `[N]`."""
+    logprobs = torch.zeros(input_ids.shape[0], dtype=torch.float32, device=logits.device)
+    predicted = torch.log_softmax(logits[:-1].float(), dim=-1).gather(-1, input_ids[1:, None]).squeeze(-1)
+    logprobs[1:] = predicted
+    return logprobs.masked_fill(sample_starts(seq_lens).to(logits.device), 0.0)
+
+
+def sample_starts(seq_lens: Sequence[int]) -> torch.Tensor:
+    """Boolean `[N]`: True at the first token of every sample."""
+    starts = torch.zeros(sum(seq_lens), dtype=torch.bool)
+    starts[torch.tensor([0, *accumulate(seq_lens[:-1])], dtype=torch.long)] = True
+    return starts
+
+
+def forward_logprobs(
+    model: torch.nn.Module,
+    batch: PackedMicroBatch,
+    mm_kwargs: Mapping[str, Any],
+    policy: ForwardPolicy,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Per-token logprobs `[N]` of `batch.token_ids` under `model`, packed but per-sample exact.
+
+    `mm_kwargs` are the materialized image tensors of the micro-batch (empty for text only);
+    `temperature` scales the logits the way the engine did when it sampled.
+    """
+    device = next(model.parameters()).device
+    input_ids = torch.tensor(batch.token_ids, dtype=torch.long)
+    mm_token_type_ids = torch.tensor(batch.mm_token_type_ids, dtype=torch.long)
+    if policy.pass_position_ids:
+        position_ids = sample_positions(batch.seq_lens)[None]
+    else:
+        position_ids = mrope_position_ids(model, input_ids, mm_token_type_ids, batch.seq_lens, mm_kwargs)
+    inputs: dict[str, Any] = {k: v.to(device) for k, v in mm_kwargs.items()}
+    if policy.requires_mm_token_type_ids:
+        inputs["mm_token_type_ids"] = mm_token_type_ids[None].to(device)
+    logits = model(
+        input_ids=input_ids[None].to(device),
+        position_ids=position_ids.to(device),
+        attention_mask=None,
+        use_cache=False,
+        **inputs,
+    ).logits[0]
+    if temperature != 1.0:
+        logits = logits / temperature
+    return token_logprobs(logits, input_ids.to(device), batch.seq_lens)

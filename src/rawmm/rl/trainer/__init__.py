@@ -1,0 +1,1 @@
+"""The RL trainer: reads rollout batches, trains the policy, writes checkpoints."""

@@ -1,0 +1,41 @@
+"""The clipped importance-ratio policy-gradient loss (GRPO / PPO-clip style) over the loss mask."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LossParts:
+    """`loss` is a sum over masked tokens divided by the step's token count, so micro-batch (and
+    data-parallel rank) losses add up to the step's mean loss and their gradients add up likewise."""
+
+    loss: torch.Tensor
+    clipped_tokens: int
+    tokens: int
+
+
+def policy_gradient_loss(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    step_tokens: int,
+) -> LossParts:
+    """`-min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)` summed over `loss_mask`, divided by
+    `step_tokens` (the number of loss tokens in the whole step, across micro-batches and ranks).
+
+    `r = exp(new - old)` is the ratio of the trained policy to the one that sampled the tokens.
+    """
+    mask = loss_mask.bool()
+    ratio = torch.exp(new_logprobs - old_logprobs)
+    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    loss = per_token.masked_fill(~mask, 0.0).sum() / max(step_tokens, 1)
+    clipped = ((ratio * advantages) > (clipped_ratio * advantages)) & mask
+    return LossParts(loss=loss, clipped_tokens=int(clipped.sum()), tokens=int(mask.sum()))
