@@ -12,8 +12,10 @@ from rawmm.contract.families import (
     get_family,
     resolve_preset,
 )
+from rawmm.contract.features import FeatureImage, parse_features, request_features
 from rawmm.contract.messages import offload_message_images
 from rawmm.contract.refs import REF_PREFIX, RawImageDescriptor, RawImageRef, encode_ref, parse_ref
+from rawmm.contract.render import RenderedImage, RenderedPrompt, render_chat
 from rawmm.contract.store import OffloadStore, StoredImage, resolve_uri
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "REASONS",
     "REF_PREFIX",
     "Family",
+    "FeatureImage",
     "ImageIngestError",
     "InvalidImageRef",
     "KimiK25Config",
@@ -31,11 +34,16 @@ __all__ = [
     "QwenVLConfig",
     "RawImageDescriptor",
     "RawImageRef",
+    "RenderedImage",
+    "RenderedPrompt",
     "StoredImage",
     "encode_ref",
     "get_family",
     "offload_message_images",
+    "parse_features",
     "parse_ref",
+    "render_chat",
+    "request_features",
     "resolve_preset",
     "resolve_uri",
 ]

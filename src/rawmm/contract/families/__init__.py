@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rawmm.contract.errors import InvalidImageRef
-from rawmm.contract.families.base import BACKENDS, Family, Layout
+from rawmm.contract.families.base import BACKENDS, Family, Layout, check_backend
 from rawmm.contract.families.kimi_k25 import KimiK25Config, KimiK25Family
 from rawmm.contract.families.qwen_vl import QwenVLConfig, QwenVLFamily
 
@@ -46,6 +46,7 @@ __all__ = [
     "KimiK25Config",
     "KimiK25Family",
     "Layout",
+    "check_backend",
     "QwenVLConfig",
     "QwenVLFamily",
     "get_family",
