@@ -18,14 +18,15 @@ from fastapi.responses import JSONResponse
 
 @dataclass
 class FakeEngine:
-    """Answers generate with `reply(body)` token ids; `fail_next` 503s first; `invalid_reason` makes
-    every generate a 400 invalid ref. Records every request body."""
+    """Answers generate with `reply(body)` token ids; `fail_next` 503s first; a request for which
+    `reject(body)` names a reason gets a 400 invalid ref. Records every request body."""
 
     reply: Callable[[dict[str, Any]], list[int]] = lambda body: [5, 6, 7]
     fail_next: int = 0
-    invalid_reason: str | None = None
+    reject: Callable[[dict[str, Any]], str | None] = lambda body: None
     weights_version: int = 0
     generate_bodies: list[dict[str, Any]] = field(default_factory=list)
+    calls: list[str] = field(default_factory=list)  # "generate" / "weights", in arrival order
     weights_paths: list[str] = field(default_factory=list)
     server: uvicorn.Server | None = None
     task: asyncio.Task[None] | None = None
@@ -42,11 +43,13 @@ class FakeEngine:
         async def generate(request: Request) -> JSONResponse:
             body = await request.json()
             self.generate_bodies.append(body)
+            self.calls.append("generate")
             if self.fail_next > 0:
                 self.fail_next -= 1
                 return JSONResponse({"detail": "overloaded"}, status_code=503)
-            if self.invalid_reason is not None:
-                error = {"type": "invalid_mm_image_ref", "reason": self.invalid_reason, "message": "bad ref"}
+            reason = self.reject(body)
+            if reason is not None:
+                error = {"type": "invalid_mm_image_ref", "reason": reason, "message": "bad ref"}
                 return JSONResponse({"error": error}, status_code=400)
             tokens = self.reply(body)
             return JSONResponse(
@@ -61,6 +64,7 @@ class FakeEngine:
         @app.post("/v1/rawmm/weights")
         async def weights(request: Request) -> JSONResponse:
             self.weights_paths.append((await request.json())["path"])
+            self.calls.append("weights")
             self.weights_version += 1
             return JSONResponse({"weights_version": self.weights_version})
 

@@ -55,7 +55,7 @@ async def test_down_replica_is_reported_as_unreachable(fake_engines, client_and_
 
 async def test_invalid_ref_is_not_retried(fake_engines, client_and_metrics):
     client, metrics = client_and_metrics
-    engine = await fake_engines(invalid_reason="missing_file")
+    engine = await fake_engines(reject=lambda body: "missing_file")
     with pytest.raises(InvalidRefError) as info:
         await client.generate(engine.url, [1], None, SAMPLING)
     assert info.value.reason == "missing_file"

@@ -1,0 +1,90 @@
+"""`rawmm orchestrate CONFIG`: play rollouts against the run's engine replicas and ship training batches."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from rawmm.cli import CliError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="run config YAML (rawmm.config.RunConfig)")
+    parser.add_argument("--steps", type=int, help="steps to run (default: trainer.steps)")
+    parser.add_argument(
+        "--engine-down-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="how long to wait for an engine replica when none is up before failing (default 300)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="0.0.0.0",
+        help="address of the /metrics endpoint (port: monitoring section)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from prometheus_client import start_http_server
+
+    from rawmm.config import ConfigError, RunConfig
+    from rawmm.contract import OffloadStore
+    from rawmm.rl.envs import EnvironmentLoadError, load_environment
+    from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
+    from rawmm.rl.orchestrator.rollout import PromptRenderer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")
+    try:
+        config = RunConfig.from_yaml(args.config)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+    if not config.inference.urls:
+        raise CliError("inference.urls is empty: give the engine replicas' URLs (`rawmm run` fills them in)")
+    steps = args.steps if args.steps is not None else config.trainer.steps
+    if steps < 1:
+        raise CliError(f"--steps must be at least 1, got {steps}")
+    env_cfg = config.orchestrator.environment
+    try:
+        environment = load_environment(env_cfg.name, env_cfg.args)
+    except EnvironmentLoadError as exc:
+        raise CliError(f"orchestrator.environment: {exc}") from None
+    try:
+        renderer = PromptRenderer(
+            config.model.path,
+            config.model.preset,
+            config.model.processor_backend,
+            OffloadStore(config.offload_dir),
+        )
+    except OSError as exc:
+        raise CliError(f"model.path {config.model.path!r}: cannot load the tokenizer: {exc}") from None
+    metrics = OrchestratorMetrics()
+    port = config.monitoring.orchestrator_metrics_port
+    if port:
+        start_http_server(port, addr=args.metrics_host, registry=metrics.registry)
+    return asyncio.run(_orchestrate(config, steps, environment, renderer, metrics, args.engine_down_timeout))
+
+
+async def _orchestrate(config, steps, environment, renderer, metrics, down_timeout_s: float) -> int:  # noqa: ANN001
+    import httpx
+
+    from rawmm.rl.orchestrator.engine_client import EngineClient
+    from rawmm.rl.orchestrator.loop import AllRolloutsDropped, Orchestrator, print_report
+    from rawmm.rl.orchestrator.replicas import NoReplicaAvailable, ReplicaPool
+
+    timeout = httpx.Timeout(600.0, connect=5.0)  # a CPU engine under a full step of rollouts is slow
+    async with httpx.AsyncClient(timeout=timeout) as http:
+        pool = ReplicaPool(
+            config.inference.urls, EngineClient(http, metrics), metrics, down_timeout_s=down_timeout_s
+        )
+        orchestrator = Orchestrator(
+            config, pool=pool, renderer=renderer, environment=environment, metrics=metrics
+        )
+        try:
+            await orchestrator.run(steps, on_step=print_report)
+        except (NoReplicaAvailable, AllRolloutsDropped) as exc:
+            raise CliError(str(exc)) from None
+        finally:
+            await pool.close()
+    return 0

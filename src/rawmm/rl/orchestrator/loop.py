@@ -1,0 +1,198 @@
+"""The orchestrator loop: per step, wait for the trainer, sync weights, play the rollouts, ship a batch.
+
+Step N (1-based, like the trainer's checkpoints) starts once the trainer's latest checkpoint is at
+least N - max_async_level; before its rollouts every live replica is told to load that checkpoint.
+A step's `prompts_per_step` groups of `rollouts_per_prompt` rollouts run concurrently; each group
+shares one episode seed (the same task and images), its rewards are normalized within the group,
+and every turn of every surviving rollout becomes a sample. A rollout the engine rejects (invalid
+image ref, or any other 4xx) is dropped and counted, never retried. After the last batch the
+orchestrator waits for the final checkpoint and has the replicas load it, so a finished run's
+engines serve its final weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TextIO
+
+from rawmm.config import RunConfig
+from rawmm.rl.batches import write_batch, written_steps
+from rawmm.rl.envs import Environment
+from rawmm.rl.orchestrator.advantages import group_advantages
+from rawmm.rl.orchestrator.engine_client import InvalidRefError, RequestRejected
+from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
+from rawmm.rl.orchestrator.replicas import ReplicaPool
+from rawmm.rl.orchestrator.rollout import PromptRenderer, Rollout, RolloutId, play, turn_samples
+from rawmm.rl.samples import RolloutBatch, Sample
+from rawmm.rl.trainer.checkpoint import checkpoint_dir, latest_step
+
+log = logging.getLogger(__name__)
+
+
+class AllRolloutsDropped(RuntimeError):
+    """Every rollout of a step was rejected; training on nothing would hide the problem."""
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one step did; printed as one JSON line (`rawmm run` and log collectors read it)."""
+
+    step: int
+    weights_step: int
+    rollouts: int
+    dropped: dict[str, int]
+    samples: int
+    reward_mean: float
+    images_sent: int
+    rollout_seconds: float
+    wait_seconds: float
+
+    def log_line(self) -> str:
+        return json.dumps({"event": "orchestrator_step", **self.__dict__}, sort_keys=True)
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        pool: ReplicaPool,
+        renderer: PromptRenderer,
+        environment: Environment,
+        metrics: OrchestratorMetrics,
+        poll_interval_s: float = 0.2,
+    ) -> None:
+        self.config, self.pool, self.renderer = config, pool, renderer
+        self.environment, self.metrics = environment, metrics
+        self._poll_interval_s = poll_interval_s
+        self.weights_step = 0  # the checkpoint the replicas were last told to load (0 = as started)
+
+    async def run(
+        self, steps: int, *, on_step: Callable[[StepReport], None] | None = None
+    ) -> list[StepReport]:
+        """Write batches for steps after the last one on disk up to `steps`, then sync the final weights."""
+        done = written_steps(self.config.rollouts_dir)
+        first = (done[-1] + 1) if done else 1
+        if first > 1:
+            log.info("resuming after step %d (its batch is already on disk)", first - 1)
+        reports = []
+        for step in range(first, steps + 1):
+            report = await self.run_step(step)
+            reports.append(report)
+            if on_step is not None:
+                on_step(report)
+        await self._wait_for_trainer(steps)
+        await self._sync_weights()
+        return reports
+
+    async def run_step(self, step: int) -> StepReport:
+        waited = await self._wait_for_trainer(step - self.config.orchestrator.max_async_level)
+        await self._sync_weights()
+        started = time.perf_counter()
+        rollouts, dropped = await self._play_groups(step)
+        samples = self._samples(rollouts)
+        rewards = [r.reward for group in rollouts for r in group]
+        if not rewards:
+            raise AllRolloutsDropped(f"step {step}: all rollouts were dropped ({dict(dropped)})")
+        report = StepReport(
+            step=step,
+            weights_step=self.weights_step,
+            rollouts=len(rewards),
+            dropped=dict(dropped),
+            samples=len(samples),
+            reward_mean=statistics.fmean(rewards),
+            images_sent=sum(r.images for group in rollouts for r in group),
+            rollout_seconds=time.perf_counter() - started,
+            wait_seconds=waited,
+        )
+        metadata = {k: v for k, v in report.__dict__.items() if k != "step"}
+        write_batch(self.config.rollouts_dir, RolloutBatch(step=step, samples=samples, metadata=metadata))
+        self.metrics.step.set(step)
+        self.metrics.reward_mean.set(report.reward_mean)
+        return report
+
+    async def _play_groups(self, step: int) -> tuple[list[list[Rollout]], Counter[str]]:
+        cfg = self.config.orchestrator
+        sampling = {
+            "max_tokens": cfg.max_tokens,
+            "temperature": cfg.sampling.temperature,
+            "top_p": cfg.sampling.top_p,
+        }
+        ids = [
+            [RolloutId(step, g, r) for r in range(cfg.rollouts_per_prompt)]
+            for g in range(cfg.prompts_per_step)
+        ]
+
+        async def one(rollout_id: RolloutId) -> Rollout | str:
+            # Same seed for the whole group: same task, same image bytes, same refs.
+            episode = self.environment.episode(episode_seed(cfg.seed, step, rollout_id.group))
+            try:
+                rollout = await play(
+                    episode,
+                    rollout_id,
+                    renderer=self.renderer,
+                    pool=self.pool,
+                    sampling=sampling,
+                    max_turns=cfg.max_turns,
+                    run_seed=cfg.seed,
+                )
+            except InvalidRefError as exc:
+                log.error("dropping rollout %s: %s", rollout_id, exc)
+                return "invalid_mm_image_ref"
+            except RequestRejected as exc:
+                log.error("dropping rollout %s: %s", rollout_id, exc)
+                return "engine_rejected"
+            self.metrics.rollouts.inc()
+            self.metrics.rollout_seconds.observe(rollout.seconds)
+            return rollout
+
+        results = await asyncio.gather(*(asyncio.gather(*(one(i) for i in group)) for group in ids))
+        dropped: Counter[str] = Counter()
+        kept = []
+        for group in results:
+            kept.append([r for r in group if isinstance(r, Rollout)])
+            for reason in (r for r in group if isinstance(r, str)):
+                dropped[reason] += 1
+                self.metrics.samples_dropped.labels(reason=reason).inc()
+        return kept, dropped
+
+    @staticmethod
+    def _samples(groups: list[list[Rollout]]) -> list[Sample]:
+        samples = []
+        for group in groups:
+            for rollout, advantage in zip(group, group_advantages([r.reward for r in group]), strict=True):
+                samples.extend(turn_samples(rollout, advantage))
+        return samples
+
+    async def _wait_for_trainer(self, step: int) -> float:
+        """Wait until the trainer's latest checkpoint is at least `step`; returns the seconds waited."""
+        started = time.perf_counter()
+        while latest_step(self.config.checkpoints_dir) < step:
+            await asyncio.sleep(self._poll_interval_s)
+        return time.perf_counter() - started
+
+    async def _sync_weights(self) -> None:
+        latest = latest_step(self.config.checkpoints_dir)
+        if latest > self.weights_step:
+            path = checkpoint_dir(self.config.checkpoints_dir, latest)
+            await self.pool.load_weights(str(path.resolve()))
+            self.weights_step = latest
+            self.metrics.weights_step.set(latest)
+            log.info("replicas now serve checkpoint step %d (%s)", latest, path)
+
+
+def episode_seed(run_seed: int, step: int, group: int) -> int:
+    """The task of group `group` at `step`: distinct across steps and groups, fixed per run seed."""
+    return (run_seed * 1_000_003 + step) * 1_009 + group
+
+
+def print_report(report: StepReport, stream: TextIO = sys.stdout) -> None:
+    print(report.log_line(), file=stream, flush=True)

@@ -1,0 +1,152 @@
+"""One rollout: an episode played against a pinned engine replica, and the samples it trains.
+
+Every turn renders the whole conversation so far (all earlier images included) with the contract's
+renderer, sends its tokens and image refs to the engine, and hands the decoded reply to the
+episode. Each turn becomes one training sample: exactly the prompt the engine saw plus the tokens
+it sampled (loss on those only), so the trainer scores the very tokens the engine produced, never a
+re-tokenization of them. The turns of a rollout share its advantage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rawmm.contract import OffloadStore, offload_message_images, render_chat, resolve_preset
+from rawmm.rl.envs import Episode, Message
+from rawmm.rl.orchestrator.engine_client import Generation
+from rawmm.rl.orchestrator.replicas import ReplicaPool
+from rawmm.rl.samples import Sample, build_mm_refs, validate_image_spans
+
+
+class PromptRenderer:
+    """The run model's tokenizer and image layout, loaded once; renders conversations to prompts."""
+
+    def __init__(self, model_path: str | Path, preset: str, backend: str, store: OffloadStore) -> None:
+        from transformers import AutoTokenizer
+
+        self.family, _ = resolve_preset(preset)
+        self.config = self.family.config_from_pretrained(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        self.backend, self.store = backend, store
+
+    def offload(self, messages: list[Message]) -> list[Message]:
+        return offload_message_images(messages, self.store)
+
+    def render(self, messages: list[Message]) -> Any:
+        return render_chat(
+            messages,
+            tokenizer=self.tokenizer,
+            family=self.family,
+            config=self.config,
+            store=self.store,
+            backend=self.backend,
+        )
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+@dataclass(frozen=True)
+class RolloutId:
+    step: int
+    group: int
+    index: int
+
+    def __str__(self) -> str:
+        return f"step{self.step}-g{self.group}-r{self.index}"
+
+
+@dataclass(frozen=True)
+class Turn:
+    prompt: Any  # rawmm.contract RenderedPrompt
+    generation: Generation
+    replica: str
+
+
+@dataclass
+class Rollout:
+    id: RolloutId
+    turns: list[Turn] = field(default_factory=list)
+    reward: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def images(self) -> int:
+        """Images sent over all turns (earlier images count again on every turn)."""
+        return sum(len(t.prompt.images) for t in self.turns)
+
+
+def request_seed(run_seed: int, rollout: RolloutId, turn: int) -> int:
+    """A sampling seed unique to (run, rollout, turn), identical across restarts."""
+    text = f"{run_seed}:{rollout.step}:{rollout.group}:{rollout.index}:{turn}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "big") >> 1
+
+
+async def play(
+    episode: Episode,
+    rollout_id: RolloutId,
+    *,
+    renderer: PromptRenderer,
+    pool: ReplicaPool,
+    sampling: dict[str, Any],
+    max_turns: int,
+    run_seed: int,
+) -> Rollout:
+    """Play `episode` for at most `max_turns` replies. Engine errors propagate (the caller drops the
+    rollout on an invalid ref)."""
+    started = time.perf_counter()
+    rollout = Rollout(rollout_id)
+    messages = await asyncio.to_thread(lambda: renderer.offload(episode.start()))
+    for turn in range(max_turns):
+        prompt = await asyncio.to_thread(renderer.render, messages)
+        request_sampling = {**sampling, "seed": request_seed(run_seed, rollout_id, turn), "logprobs": True}
+        features = prompt.features() if prompt.images else None
+        replica, generation = await pool.generate(
+            str(rollout_id), list(prompt.token_ids), features, request_sampling
+        )
+        rollout.turns.append(Turn(prompt, generation, replica))
+        reply = renderer.decode(generation.token_ids)
+        result = episode.step(reply)
+        rollout.reward += result.reward
+        if result.done or turn + 1 == max_turns:
+            break
+        new_messages = await asyncio.to_thread(renderer.offload, result.messages)
+        messages = [*messages, {"role": "assistant", "content": reply}, *new_messages]
+    rollout.seconds = time.perf_counter() - started
+    return rollout
+
+
+def turn_samples(rollout: Rollout, advantage: float) -> list[Sample]:
+    """One sample per turn that generated tokens, each checked: spans must lie on image tokens."""
+    samples = []
+    for number, turn in enumerate(rollout.turns):
+        prompt, generation = turn.prompt, turn.generation
+        completion = len(generation.token_ids)
+        if completion == 0:
+            continue
+        n = len(prompt.token_ids)
+        mm_token_type_ids = [*prompt.mm_token_type_ids, *[0] * completion]
+        mm_refs = build_mm_refs(
+            [image.descriptor for image in prompt.images],
+            [image.mm_hash for image in prompt.images],
+            [{"offset": image.offset, "length": image.length} for image in prompt.images],
+        )
+        validate_image_spans(mm_refs, mm_token_type_ids)
+        samples.append(
+            Sample(
+                token_ids=[*prompt.token_ids, *generation.token_ids],
+                mm_token_type_ids=mm_token_type_ids,
+                loss_mask=[False] * n + [True] * completion,
+                advantages=[0.0] * n + [advantage] * completion,
+                logprobs=[0.0] * n + list(generation.logprobs),
+                mm_refs=mm_refs,
+                reward=rollout.reward,
+                sample_id=f"{rollout.id}-t{number}",
+            )
+        )
+    return samples
