@@ -14,6 +14,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ref": ("ref", "inspect a raw image ref"),
     "layout": ("layout", "placeholder layout of an image size for a model preset"),
     "tiny-model": ("tiny_model", "write a tiny random-weight checkpoint and tokenizer"),
+    "orchestrate": ("orchestrate", "play rollouts against the engine replicas and write training batches"),
+    "run": ("run", "run engines, orchestrator and trainer locally on one machine until the run is done"),
 }
 
 
