@@ -1,0 +1,168 @@
+"""The inference-side materialize cache (DESIGN §4): byte-bounded LRU, single-flight, off at size 0.
+
+A multi-turn rollout re-sends every earlier image on every turn; without this cache each request would
+re-read, re-hash, re-decode and re-process all of them. Keys are content-addressed (the whole ref is in
+the key), so an entry can only go cold, never stale: eviction is invisible except as a later miss.
+
+Concurrency model: every mutation happens on the event-loop thread; only the materialization itself runs
+in a worker thread. A miss starts one task that the cache holds strongly until it finishes; requesters
+await it through ``asyncio.shield`` so a cancelled (disconnected) requester never cancels the work that
+other requesters share. Failures are never cached: the task's exception reaches every requester that
+joined it, and the next request starts afresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from rawmm import metrics
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def cache_key(ref: str, *, engine_modality: str, placeholder_length: int, processor_identity: str) -> str:
+    """Digest of everything that decides what a materialization produces.
+
+    The placeholder length is part of the key so that a ref arriving with a different claimed length misses
+    and meets the adapter's check instead of being served an item that never passed it.
+    """
+    material = json.dumps(
+        [ref, engine_modality, placeholder_length, processor_identity], separators=(",", ":")
+    )
+    return hashlib.sha256(material.encode()).hexdigest()
+
+
+def _nbytes(item: object) -> int:
+    return int(item.nbytes)  # type: ignore[attr-defined]
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    inflight_joins: int = 0
+    evictions: int = 0
+
+    @property
+    def lookups(self) -> int:
+        return self.hits + self.misses + self.inflight_joins
+
+
+class MaterializeCache(Generic[T]):
+    """Byte-bounded LRU of finished, immutable items with single-flight misses.
+
+    ``max_bytes == 0`` turns the cache off: every call runs the work in a worker thread, with no lookup,
+    no single-flight and no statistics. Bytes held never exceed ``max_bytes``; an item larger than the
+    whole budget is returned to its requesters but not kept. Use from the event loop only.
+    """
+
+    def __init__(
+        self, max_bytes: int, *, size_of: Callable[[T], int] = _nbytes, log_every: int = 1000
+    ) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"cache size must not be negative, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.stats = CacheStats()
+        self._size_of = size_of
+        self._log_every = log_every
+        self._items: OrderedDict[str, tuple[T, int]] = OrderedDict()
+        self._inflight: dict[str, asyncio.Task[T]] = {}
+        self._bytes = 0
+        if self.enabled:
+            metrics.CACHE_CAPACITY_BYTES.set(max_bytes)
+            self._publish_sizes()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._items
+
+    def keys(self) -> list[str]:
+        """Cached keys, least recently used first."""
+        return list(self._items)
+
+    async def get(self, key: str, work: Callable[[], T]) -> T:
+        """Return the item for ``key``, running ``work`` in a worker thread at most once at a time per key."""
+        if not self.enabled:
+            return await asyncio.to_thread(work)
+        cached = self._items.get(key)
+        if cached is not None:
+            self._items.move_to_end(key)
+            self.stats.hits += 1
+            metrics.CACHE_HITS.inc()
+            self._maybe_log()
+            return cached[0]
+        task = self._inflight.get(key)
+        if task is None:
+            self.stats.misses += 1
+            metrics.CACHE_MISSES.inc()
+            task = asyncio.get_running_loop().create_task(self._fill(key, work))
+            self._inflight[key] = task
+            # Retrieve the exception even if every requester left, so asyncio does not log it as lost.
+            task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        else:
+            self.stats.inflight_joins += 1
+            metrics.CACHE_INFLIGHT_JOINS.inc()
+        self._maybe_log()
+        return await asyncio.shield(task)
+
+    async def _fill(self, key: str, work: Callable[[], T]) -> T:
+        try:
+            item = await asyncio.to_thread(work)
+            self._store(key, item)
+            return item
+        finally:
+            del self._inflight[key]
+
+    def _store(self, key: str, item: T) -> None:
+        size = self._size_of(item)
+        if size > self.max_bytes:
+            log.debug(
+                "materialize cache: item of %d bytes exceeds the %d-byte budget; not cached",
+                size,
+                self.max_bytes,
+            )
+            return
+        while self._bytes + size > self.max_bytes:
+            _, (_, evicted_size) = self._items.popitem(last=False)
+            self._bytes -= evicted_size
+            self.stats.evictions += 1
+            metrics.CACHE_EVICTIONS.inc()
+        self._items[key] = (item, size)
+        self._bytes += size
+        self._publish_sizes()
+
+    def _publish_sizes(self) -> None:
+        metrics.CACHE_BYTES.set(self._bytes)
+        metrics.CACHE_ENTRIES.set(len(self._items))
+
+    def summary(self) -> str:
+        s = self.stats
+        hit_rate = 100.0 * s.hits / s.lookups if s.lookups else 0.0
+        return (
+            f"materialize cache: hits={s.hits} misses={s.misses} inflight_joins={s.inflight_joins} "
+            f"hit_rate={hit_rate:.1f}% bytes={self._bytes}/{self.max_bytes} entries={len(self._items)} "
+            f"evictions={s.evictions}"
+        )
+
+    def _maybe_log(self) -> None:
+        if self.stats.lookups % self._log_every == 0:
+            log.info(self.summary())

@@ -1,0 +1,83 @@
+"""Kimi K2.5 image preprocessing from the published math, so no remote code has to run.
+
+Per image: navit resize (the family's layout math: bounded by ``in_patch_limit`` and
+``patch_limit_on_one_side``) with bicubic resampling, zero-pad bottom/right to a multiple of
+patch·merge, rescale to [0, 1] and normalize with mean/std (0.5 by default), then cut into
+``patch × patch`` patches in row-major grid order: ``pixel_values`` is ``(patches, 3, patch, patch)``
+and ``grid_thws`` is ``[[1, H/patch, W/patch]]`` per image. The ``pil`` backend resizes with PIL like
+the reference processor; ``torchvision`` resizes with torchvision's antialiased bicubic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from rawmm.contract.families import BACKENDS, KimiK25Config, get_family
+
+
+class KimiK25ImageProcessor:
+    """Turns RGB images into Kimi K2.5's ``pixel_values`` and ``grid_thws``."""
+
+    def __init__(self, config: KimiK25Config, backend: str = "pil") -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown image-processor backend {backend!r}; expected one of {BACKENDS}")
+        self.config = config
+        self.backend = backend
+        mean = np.asarray(config.image_mean, dtype=np.float32)
+        std = np.asarray(config.image_std, dtype=np.float32)
+        # Every uint8 value of every channel, normalized once: (256, 3).
+        self._lut = ((np.arange(256, dtype=np.float32)[:, None] / 255.0 - mean) / std).astype(np.float32)
+
+    @property
+    def media_proc_cfg(self) -> dict[str, Any]:
+        """The config in the checkpoint's ``media_proc_cfg`` vocabulary."""
+        cfg = asdict(self.config)
+        cfg["merge_kernel_size"] = cfg.pop("merge_size")
+        return cfg
+
+    def __call__(self, images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
+        patches, grids = [], []
+        for image in images:
+            image_patches, grid = self._process(image)
+            patches.append(image_patches)
+            grids.append(grid)
+        patch = self.config.patch_size
+        return {
+            "pixel_values": torch.from_numpy(np.concatenate(patches))
+            if patches
+            else torch.empty(0, 3, patch, patch),
+            "grid_thws": torch.tensor(grids, dtype=torch.int64).reshape(-1, 3),
+        }
+
+    def _process(self, image: Image.Image) -> tuple[np.ndarray, list[int]]:
+        if image.mode != "RGB":
+            image = image.convert("RGB")
+        layout = get_family("kimi_k25").describe(width=image.width, height=image.height, config=self.config)
+        new_h, new_w = layout.resized
+        _, grid_h, grid_w = layout.grid_thw
+        patch = self.config.patch_size
+        canvas = np.zeros((grid_h * patch, grid_w * patch, 3), dtype=np.uint8)
+        canvas[:new_h, :new_w] = self._resize(image, new_w, new_h)
+        pixels = self._lut[canvas, np.arange(3)]  # (H, W, 3) float32
+        patches = (
+            pixels.reshape(grid_h, patch, grid_w, patch, 3)
+            .transpose(0, 2, 4, 1, 3)  # (gh, gw, C, ph, pw): patches in row-major grid order
+            .reshape(grid_h * grid_w, 3, patch, patch)
+        )
+        return np.ascontiguousarray(patches), [1, grid_h, grid_w]
+
+    def _resize(self, image: Image.Image, width: int, height: int) -> np.ndarray:
+        if self.backend == "pil":
+            return np.asarray(image.resize((width, height), resample=Image.Resampling.BICUBIC))
+        from torchvision.transforms.v2 import InterpolationMode
+        from torchvision.transforms.v2 import functional as tvf
+
+        chw = torch.from_numpy(np.array(image)).permute(2, 0, 1)
+        resized = tvf.resize(chw, [height, width], interpolation=InterpolationMode.BICUBIC, antialias=True)
+        return resized.permute(1, 2, 0).numpy()

@@ -1,0 +1,136 @@
+"""Loading a checkpoint's image processor with an explicit backend, and its identity.
+
+transformers 5 ships two image-processor backends (PIL and torchvision) whose pixel values differ by up
+to ~0.03, so the trainer and the engines of one run must load the same one. The backend is always
+chosen explicitly, and the identity (hence the fingerprint refs are checked against) is read back from
+the processor actually loaded — never from what was asked for — so a silent fallback cannot go unseen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rawmm.contract.families import BACKENDS, Family, get_family
+
+# config.json model_type -> family. Qwen2-VL, Qwen2.5-VL and Qwen3-VL share one image processor.
+MODEL_TYPE_FAMILIES: dict[str, str] = {
+    "qwen2_vl": "qwen_vl",
+    "qwen2_5_vl": "qwen_vl",
+    "qwen3_vl": "qwen_vl",
+    "qwen3_vl_moe": "qwen_vl",
+    "kimi_k25": "kimi_k25",
+}
+
+
+@dataclass(frozen=True)
+class LoadedProcessor:
+    """An image processor plus who it is: family, layout/pixel config, backend, identity and fingerprint."""
+
+    processor: Any
+    family: Family[Any]
+    config: Any
+    backend: str
+    identity: str  # canonical JSON: family, config, backend and the processor class (a cache-key part)
+    fingerprint: str  # the family's short digest of (config, backend), as carried in refs
+
+
+def _checkpoint_file(path: str, name: str) -> Path | None:
+    """A file of a local checkpoint dir or of a hub id (through transformers' cache), or None if absent."""
+    local = Path(path)
+    if local.is_dir():
+        file = local / name
+        return file if file.is_file() else None
+    from transformers.utils import cached_file
+
+    resolved = cached_file(path, name, _raise_exceptions_for_missing_entries=False)
+    return Path(resolved) if resolved else None
+
+
+def detect_family(path: str) -> Family[Any]:
+    """The family of a checkpoint, from its ``config.json`` model type (or a Kimi ``media_proc_cfg``)."""
+    config_file = _checkpoint_file(path, "config.json")
+    model_type = json.loads(config_file.read_text()).get("model_type") if config_file else None
+    if model_type in MODEL_TYPE_FAMILIES:
+        return get_family(MODEL_TYPE_FAMILIES[model_type])
+    preprocessor_file = _checkpoint_file(path, "preprocessor_config.json")
+    if preprocessor_file and "media_proc_cfg" in json.loads(preprocessor_file.read_text()):
+        return get_family("kimi_k25")
+    raise ValueError(
+        f"{path}: model type {model_type!r} is not supported; supported: {sorted(MODEL_TYPE_FAMILIES)}"
+    )
+
+
+def backend_of(processor: Any) -> str:
+    """The backend a loaded image processor really uses."""
+    from transformers.image_processing_backends import PilBackend, TorchvisionBackend
+
+    from rawmm.materialize.kimi import KimiK25ImageProcessor
+
+    if isinstance(processor, KimiK25ImageProcessor):
+        return processor.backend
+    if isinstance(processor, PilBackend):
+        return "pil"
+    if isinstance(processor, TorchvisionBackend):
+        return "torchvision"
+    raise ValueError(f"{type(processor).__name__} is neither a PIL nor a torchvision image processor")
+
+
+def _load_image_processor(path: str, family: Family[Any], backend: str, trust_remote_code: bool) -> Any:
+    if family.name == "kimi_k25":
+        # Our own implementation of the published preprocessing: no remote code needed.
+        from rawmm.materialize.kimi import KimiK25ImageProcessor
+
+        preprocessor_file = _checkpoint_file(path, "preprocessor_config.json")
+        if preprocessor_file is None:
+            raise ValueError(f"{path} has no preprocessor_config.json")
+        return KimiK25ImageProcessor(family.config_from_pretrained(preprocessor_file), backend)
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(path, backend=backend, trust_remote_code=trust_remote_code)
+
+
+@functools.lru_cache(maxsize=16)
+def _load(path: str, backend: str, trust_remote_code: bool) -> LoadedProcessor:
+    family = detect_family(path)
+    processor = _load_image_processor(path, family, backend, trust_remote_code)
+    loaded_backend = backend_of(processor)
+    if loaded_backend != backend:
+        raise ValueError(
+            f"{path}: asked for the {backend} image-processor backend but transformers loaded "
+            f"{type(processor).__name__} ({loaded_backend}); install what the {backend} backend needs"
+        )
+    config = family.config_from_processor(processor)
+    identity = json.dumps(
+        {
+            "family": family.name,
+            "config": dataclasses.asdict(config),
+            "backend": loaded_backend,
+            "class": f"{type(processor).__module__}.{type(processor).__qualname__}",
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return LoadedProcessor(
+        processor=processor,
+        family=family,
+        config=config,
+        backend=loaded_backend,
+        identity=identity,
+        fingerprint=family.fingerprint(config, loaded_backend),
+    )
+
+
+def load_processor(
+    path: str | Path, backend: str = "pil", trust_remote_code: bool = False
+) -> LoadedProcessor:
+    """The image processor of checkpoint ``path`` (a local dir or a hub id) with ``backend``; cached."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown image-processor backend {backend!r}; expected one of {BACKENDS}")
+    local = Path(path)
+    key = str(local.resolve()) if local.exists() else str(path)
+    return _load(key, backend, trust_remote_code)
