@@ -1,0 +1,198 @@
+"""Turn the raw image refs of a packed micro-batch into the model's image tensors, on the trainer.
+
+Each image is read through the confined, hash-verified path (`rawmm.materialize.read_ref_image`)
+and processed by the family adapter with the run's processor identity — the same code and backend
+the engines use, so the trainer trains on the pixels the engines sampled from. Within one step an
+image is materialized once however many samples carry it (a group's prompt image, earlier turns).
+
+A missing or unreadable image follows `missing_image_policy`:
+- `error`: raise `MissingImageError` naming the step, the samples and the URIs;
+- `zero_loss`: the image gets stand-in pixels of the right shape (so the packed forward still lines
+  up) and *its sample's* loss mask and advantages are zeroed; the other samples of the micro-batch
+  are untouched (block-diagonal attention keeps them independent of the stand-in).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from PIL import Image
+
+from rawmm import metrics
+from rawmm.contract import InvalidImageRef, RawImageDescriptor
+from rawmm.materialize import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    ForwardPolicy,
+    LoadedProcessor,
+    get_adapter,
+    read_ref_image,
+)
+from rawmm.rl.packing import PackedMicroBatch
+from rawmm.rl.samples import MMImageRef
+
+MissingImagePolicy = Literal["error", "zero_loss"]
+
+# Reasons that mean "this image's bytes are gone or damaged": the policy decides. Every other reason
+# (wrong root, fingerprint or grid mismatch, malformed ref) is a run misconfiguration and always raises.
+UNAVAILABLE_REASONS = frozenset({"missing_file", "unreadable_file", "decode_error", "hash_mismatch"})
+
+
+class MissingImageError(RuntimeError):
+    """An image of a training step could not be loaded and the policy is `error`."""
+
+
+@dataclass(frozen=True)
+class MissingImage:
+    sample_id: str
+    uri: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class MaterializedMicroBatch:
+    """A micro-batch ready for the forward pass.
+
+    `batch` is the input micro-batch with the loss mask and advantages of every sample in `missing`
+    zeroed; `mm_kwargs` are the image tensors in packed image order (empty for text only).
+    """
+
+    batch: PackedMicroBatch
+    mm_kwargs: dict[str, torch.Tensor]
+    missing: tuple[MissingImage, ...]
+
+
+@dataclass
+class StepStats:
+    """What one step's materialization did; the trainer sums it over ranks and exports it."""
+
+    images: int = 0  # images referenced by the step's micro-batches
+    materialized: int = 0  # images actually read and processed (the rest were deduplicated)
+    missing: int = 0
+    seconds: float = 0.0
+
+
+def _dedupe_key(image: MMImageRef) -> str:
+    # The hash names the bytes; the descriptor names the layout they are processed to.
+    return image.mm_hash + json.dumps(image.descriptor, sort_keys=True, separators=(",", ":"))
+
+
+class RawImageMaterializer:
+    """Materializes packed micro-batches for one model family, deduplicating within each step."""
+
+    def __init__(
+        self,
+        processor: LoadedProcessor,
+        *,
+        roots: Sequence[Path],
+        missing_image_policy: MissingImagePolicy,
+        dedupe: bool = True,
+        max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    ) -> None:
+        if missing_image_policy not in ("error", "zero_loss"):
+            raise ValueError(
+                f"missing_image_policy must be 'error' or 'zero_loss', got {missing_image_policy!r}"
+            )
+        self.processor = processor
+        self.adapter = get_adapter(processor.family.name)
+        self.roots = [Path(r) for r in roots]
+        self.max_pixels = max_pixels
+        self.policy = missing_image_policy
+        self.dedupe = dedupe
+        self.step = 0
+        self.stats = StepStats()
+        self._done: dict[str, dict[str, torch.Tensor]] = {}
+
+    @property
+    def forward_policy(self) -> ForwardPolicy:
+        return self.adapter.forward_policy
+
+    def begin_step(self, step: int) -> None:
+        """Start a new step: forget the previous step's images (dedupe is per step) and stats."""
+        self.step = step
+        self.stats = StepStats()
+        self._done.clear()
+
+    def materialize(self, batch: PackedMicroBatch) -> MaterializedMicroBatch:
+        if batch.family is not None and batch.family != self.processor.family.name:
+            raise ValueError(
+                f"step {self.step}: micro-batch of family {batch.family!r} reached the "
+                f"{self.processor.family.name!r} materializer"
+            )
+        started = time.perf_counter()
+        per_image: list[dict[str, torch.Tensor]] = []
+        missing: list[tuple[int, MissingImage]] = []
+        for image, sample_index in zip(batch.images, batch.image_sample, strict=True):
+            self.stats.images += 1
+            try:
+                per_image.append(self._image_inputs(image))
+            except InvalidImageRef as exc:
+                if exc.reason not in UNAVAILABLE_REASONS:
+                    raise
+                sample_id = batch.samples[sample_index].sample_id
+                missing.append((sample_index, MissingImage(sample_id, image.uri, exc.reason, exc.message)))
+                per_image.append(self._stand_in_inputs(image))
+        self.stats.seconds += time.perf_counter() - started
+        if missing:
+            self._handle_missing([m for _, m in missing])
+            batch = _zero_samples(batch, {index for index, _ in missing})
+        return MaterializedMicroBatch(
+            batch=batch, mm_kwargs=_concat(per_image), missing=tuple(m for _, m in missing)
+        )
+
+    def _image_inputs(self, image: MMImageRef) -> dict[str, torch.Tensor]:
+        key = _dedupe_key(image)
+        if self.dedupe and key in self._done:
+            return self._done[key]
+        started = time.perf_counter()
+        descriptor = RawImageDescriptor.from_dict(image.descriptor)
+        pixels = read_ref_image(
+            descriptor, mm_hash=image.mm_hash, roots=self.roots, max_pixels=self.max_pixels
+        )
+        inputs = self.adapter.materialize_for_trainer([pixels], [descriptor], self.processor).kwargs
+        metrics.MATERIALIZE_SECONDS.labels(side="trainer").observe(time.perf_counter() - started)
+        self.stats.materialized += 1
+        if self.dedupe:
+            self._done[key] = inputs
+        return inputs
+
+    def _stand_in_inputs(self, image: MMImageRef) -> dict[str, torch.Tensor]:
+        """Inputs of a black image whose layout matches the descriptor's grid (checked by the adapter)."""
+        descriptor = RawImageDescriptor.from_dict(image.descriptor)
+        _, grid_h, grid_w = self.processor.family.grid_from_payload(descriptor.payload)
+        patch = self.processor.config.patch_size
+        stand_in = Image.new("RGB", (grid_w * patch, grid_h * patch))
+        return self.adapter.materialize_for_trainer([stand_in], [descriptor], self.processor).kwargs
+
+    def _handle_missing(self, missing: list[MissingImage]) -> None:
+        if self.policy == "error":
+            listed = "; ".join(f"sample {m.sample_id!r}: {m.uri} ({m.reason}: {m.message})" for m in missing)
+            raise MissingImageError(
+                f"step {self.step}: {len(missing)} image(s) could not be loaded "
+                f"(missing_image_policy=error): {listed}"
+            )
+        self.stats.missing += len(missing)
+
+
+def _zero_samples(batch: PackedMicroBatch, sample_indices: set[int]) -> PackedMicroBatch:
+    loss_mask = list(batch.loss_mask)
+    advantages = list(batch.advantages)
+    for index in sample_indices:
+        start = batch.starts[index]
+        end = start + batch.seq_lens[index]
+        loss_mask[start:end] = [False] * (end - start)
+        advantages[start:end] = [0.0] * (end - start)
+    return replace(batch, loss_mask=loss_mask, advantages=advantages)
+
+
+def _concat(per_image: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Stack per-image kwargs along dim 0 (patch rows, grid rows) in packed image order."""
+    if not per_image:
+        return {}
+    return {key: torch.cat([inputs[key] for inputs in per_image], dim=0) for key in per_image[0]}
