@@ -1,0 +1,305 @@
+"""The RLRun status: its model (also the CRD's status schema) and the pure function that derives it
+from the observed children, plus the transitions worth an event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+Phase = Literal["Pending", "Provisioning", "Running", "Succeeded", "Failed", "Suspended"]
+TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
+CONDITION_TYPES = (
+    "OffloadVolumeReady",
+    "InferenceReady",
+    "OrchestratorRunning",
+    "TrainerRunning",
+    "Complete",
+    "Failed",
+)
+INVALID_SPEC = "InvalidSpec"
+TIMESTAMP = {"format": "date-time"}
+
+
+class StatusModel(BaseModel):
+    # Lenient on read (a status written by another operator version must not break reconciliation).
+    model_config = ConfigDict(alias_generator=to_camel, validate_by_name=True, validate_by_alias=True)
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class Condition(StatusModel):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str = ""
+    last_transition_time: str = Field(json_schema_extra=TIMESTAMP)
+    observed_generation: int | None = None
+
+
+class ReplicaSummary(StatusModel):
+    replicas: int = 0
+    ready_replicas: int = 0
+
+
+class JobSummary(StatusModel):
+    state: Literal["NotCreated", "Pending", "Running", "Suspended", "Succeeded", "Failed"] = "NotCreated"
+    active: int = 0
+    succeeded: int = 0
+    failed: int = 0
+
+
+class OffloadSummary(StatusModel):
+    claim_name: str
+    phase: str | None = None
+
+
+class RLRunStatus(StatusModel):
+    phase: Phase = "Pending"
+    observed_generation: int | None = None
+    reason: str | None = Field(default=None, description="why the run failed")
+    message: str | None = None
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    offload: OffloadSummary | None = None
+    engines: ReplicaSummary | None = None
+    orchestrator: JobSummary | None = None
+    trainer: JobSummary | None = None
+    trainer_step: int | None = Field(default=None, description="newest step the trainer reported")
+    cache_hit_rate: float | None = Field(
+        default=None, description="engines' materialize-cache hit rate between the two latest scrapes"
+    )
+    start_time: str | None = Field(default=None, json_schema_extra=TIMESTAMP)
+    completion_time: str | None = Field(default=None, json_schema_extra=TIMESTAMP)
+
+    def condition(self, type_: str) -> Condition | None:
+        return next((c for c in self.conditions if c.type == type_), None)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """The children the status is derived from, as read from the API (None = not found)."""
+
+    claim_name: str
+    claim: dict[str, Any] | None
+    engines: dict[str, Any] | None
+    orchestrator: dict[str, Any] | None
+    trainer: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A change worth a Kubernetes event on the RLRun."""
+
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+def job_summary(job: dict[str, Any] | None) -> tuple[JobSummary, str]:
+    """The Job's state and a message (the failure message when it failed)."""
+    if job is None:
+        return JobSummary(), "not created yet"
+    status = job.get("status") or {}
+    counts = {key: int(status.get(key) or 0) for key in ("active", "succeeded", "failed")}
+    true_conditions = {
+        c.get("type"): c.get("message") or c.get("reason") or ""
+        for c in status.get("conditions") or []
+        if c.get("status") == "True"
+    }
+    if "Failed" in true_conditions:
+        return JobSummary(state="Failed", **counts), true_conditions["Failed"] or "the Job failed"
+    if "Complete" in true_conditions:
+        return JobSummary(state="Succeeded", **counts), "completed"
+    if (job.get("spec") or {}).get("suspend"):
+        return JobSummary(state="Suspended", **counts), "suspended"
+    if counts["active"]:
+        return JobSummary(state="Running", **counts), f"{counts['active']} pod(s) active"
+    return JobSummary(state="Pending", **counts), "waiting for its pods"
+
+
+class _Check(NamedTuple):
+    type: str
+    ok: bool
+    reason: str
+    message: str
+
+
+def derive_status(
+    *,
+    suspend: bool,
+    generation: int | None,
+    observed: Observed,
+    previous: RLRunStatus,
+    now: str,
+) -> RLRunStatus:
+    """The whole status from the observed children. Terminal phases stick; transition times are kept
+    for conditions whose status did not change."""
+    claim_phase = ((observed.claim or {}).get("status") or {}).get("phase")
+    volume_ok = claim_phase == "Bound"
+    if observed.claim is None:
+        volume = _Check(
+            "OffloadVolumeReady",
+            False,
+            "ClaimNotFound",
+            f"PersistentVolumeClaim {observed.claim_name} not found",
+        )
+    else:
+        volume = _Check(
+            "OffloadVolumeReady",
+            volume_ok,
+            "Bound" if volume_ok else "ClaimPending",
+            f"PersistentVolumeClaim {observed.claim_name} is {claim_phase or 'Pending'}",
+        )
+
+    engines_spec = (observed.engines or {}).get("spec") or {}
+    engines_status = (observed.engines or {}).get("status") or {}
+    engines = ReplicaSummary(
+        replicas=int(engines_spec.get("replicas") or 0),
+        ready_replicas=int(engines_status.get("readyReplicas") or 0),
+    )
+    if observed.engines is None:
+        inference = _Check("InferenceReady", False, "NotCreated", "the engine StatefulSet does not exist yet")
+    elif engines.replicas == 0:
+        reason = "Suspended" if suspend else "ScaledDown"
+        inference = _Check("InferenceReady", False, reason, "the engines are scaled to 0")
+    else:
+        ready = engines.ready_replicas >= engines.replicas
+        inference = _Check(
+            "InferenceReady",
+            ready,
+            "AllReplicasReady" if ready else "ReplicasNotReady",
+            f"{engines.ready_replicas}/{engines.replicas} engine replicas ready",
+        )
+
+    orchestrator, orchestrator_message = job_summary(observed.orchestrator)
+    trainer, trainer_message = job_summary(observed.trainer)
+    orchestrating = _Check(
+        "OrchestratorRunning", orchestrator.state == "Running", orchestrator.state, orchestrator_message
+    )
+    training = _Check("TrainerRunning", trainer.state == "Running", trainer.state, trainer_message)
+    succeeded = trainer.state == "Succeeded"
+    complete = _Check(
+        "Complete",
+        succeeded,
+        "TrainerSucceeded" if succeeded else "InProgress",
+        "the trainer finished every step" if succeeded else "the run has not finished",
+    )
+    if trainer.state == "Failed":
+        failed = _Check("Failed", True, "TrainerFailed", trainer_message)
+    elif orchestrator.state == "Failed":
+        failed = _Check("Failed", True, "OrchestratorFailed", orchestrator_message)
+    else:
+        failed = _Check("Failed", False, "NoFailure", "")
+
+    sticky = previous.phase in TERMINAL_PHASES and previous.reason != INVALID_SPEC
+    if sticky:
+        phase: Phase = previous.phase
+    elif failed.ok:
+        phase = "Failed"
+    elif succeeded:
+        phase = "Succeeded"
+    elif suspend:
+        phase = "Suspended"
+    elif volume_ok and inference.ok and training.ok:
+        phase = "Running"
+    elif volume_ok:
+        phase = "Provisioning"
+    else:
+        phase = "Pending"
+
+    status = RLRunStatus(
+        phase=phase,
+        observed_generation=generation,
+        offload=OffloadSummary(claim_name=observed.claim_name, phase=claim_phase),
+        engines=engines,
+        orchestrator=orchestrator,
+        trainer=trainer,
+        trainer_step=previous.trainer_step,
+        cache_hit_rate=previous.cache_hit_rate,
+        start_time=previous.start_time or now,
+        completion_time=previous.completion_time or (now if phase in TERMINAL_PHASES else None),
+        conditions=[
+            _merge_Check(previous, *c, generation=generation, now=now)
+            for c in (volume, inference, orchestrating, training, complete, failed)
+        ],
+    )
+    if sticky:
+        status.reason, status.message = previous.reason, previous.message
+    elif phase == "Failed":
+        status.reason, status.message = failed.reason, failed.message
+    return status
+
+
+def invalid_spec_status(
+    *, generation: int | None, message: str, previous: RLRunStatus, now: str
+) -> RLRunStatus:
+    """The run cannot be reconciled until its spec changes; the children are left as they are."""
+    status = previous.model_copy(deep=True)
+    status.phase = "Failed"
+    status.observed_generation = generation
+    status.reason, status.message = INVALID_SPEC, message
+    others = [c for c in previous.conditions if c.type != "Failed"]
+    status.conditions = [
+        *others,
+        _merge_Check(previous, "Failed", True, INVALID_SPEC, message, generation=generation, now=now),
+    ]
+    return status
+
+
+def _merge_Check(
+    previous: RLRunStatus,
+    type_: str,
+    ok: bool,
+    reason: str,
+    message: str,
+    *,
+    generation: int | None,
+    now: str,
+) -> Condition:
+    status = "True" if ok else "False"
+    before = previous.condition(type_)
+    since = before.last_transition_time if before is not None and before.status == status else now
+    return Condition(
+        type=type_,
+        status=status,
+        reason=reason,
+        message=message,
+        last_transition_time=since,
+        observed_generation=generation,
+    )
+
+
+def transitions(previous: RLRunStatus, current: RLRunStatus) -> list[Transition]:
+    """Events for a changed phase and for every condition that changed status or reason."""
+    events: list[Transition] = []
+    if previous.phase != current.phase or (current.phase == "Failed" and previous.reason != current.reason):
+        detail = f": {current.message}" if current.phase == "Failed" and current.message else ""
+        events.append(
+            Transition(
+                "Warning" if current.phase == "Failed" else "Normal",
+                current.phase,
+                f"phase {previous.phase} -> {current.phase}{detail}",
+            )
+        )
+    for condition in current.conditions:
+        before = previous.condition(condition.type)
+        if before is not None and (before.status, before.reason) == (condition.status, condition.reason):
+            continue
+        if before is None and condition.status == "False":
+            continue  # on the first pass only what is already true is news; the phase says the rest
+        bad = (condition.type == "Failed" and condition.status == "True") or condition.reason == "Failed"
+        events.append(
+            Transition(
+                "Warning" if bad else "Normal",
+                condition.reason,
+                f"{condition.type}={condition.status}: {condition.message}".rstrip(": "),
+            )
+        )
+    return events
