@@ -1,0 +1,228 @@
+"""`rawmm run`: the whole loop on one machine, as local processes on one shared directory.
+
+Engines start first (`rawmm serve`, one per replica) and must answer `/health`; then the trainer
+(`rawmm train`) and the orchestrator (`rawmm orchestrate`) start together. The run is done when both
+exit 0. It fails, stopping everything, when the orchestrator or the trainer exits non-zero, or when
+the last engine replica exits (while others live, a dead replica is reported and the orchestrator
+fails over). Ctrl-C stops everything as well. In every case the engines are scraped one last time,
+every process group is stopped (no orphans) and `summary.json` is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.live import Live
+
+from rawmm.run.plan import LocalRunPlan
+from rawmm.run.processes import ChildProcess, rawmm_argv, stop_all
+from rawmm.run.progress import render, step_line
+from rawmm.run.scrape import health_version, scrape
+from rawmm.run.state import RunState
+
+log = logging.getLogger(__name__)
+
+
+class LocalRunFailed(RuntimeError):
+    """The run stopped before finishing; the message says which process and why."""
+
+
+class LocalRun:
+    def __init__(
+        self,
+        plan: LocalRunPlan,
+        *,
+        console: Console | None = None,
+        tick_s: float = 0.5,
+        engine_start_timeout_s: float = 300.0,
+        engine_down_timeout_s: float = 60.0,
+        on_finished: Callable[[LocalRun], None] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.console = console or Console(stderr=True)
+        self.tick_s = tick_s
+        self.engine_start_timeout_s = engine_start_timeout_s
+        self.engine_down_timeout_s = engine_down_timeout_s
+        self.on_finished = on_finished  # called after the run ends, before anything is stopped
+        config = plan.config
+        self.state = RunState(engine_urls=list(config.inference.urls))
+        self.engines = [
+            ChildProcess(
+                f"engine-{i}",
+                rawmm_argv(
+                    "serve",
+                    "--model", config.model.path,
+                    "--engine", config.inference.engine,
+                    "--host", "127.0.0.1",
+                    "--port", str(port),
+                    "--offload-root", str(config.offload_dir),
+                    "--materialize-cache-size", config.inference.materialize_cache_size,
+                    "--processor-backend", config.model.processor_backend,
+                ),
+                plan.logs_dir / f"engine-{i}.log",
+            )
+            for i, port in enumerate(plan.engine_ports)
+        ]  # fmt: skip
+        self.orchestrator = ChildProcess(
+            "orchestrator",
+            rawmm_argv(
+                "orchestrate", str(plan.config_path), "--metrics-host", "127.0.0.1",
+                "--engine-down-timeout", str(engine_down_timeout_s),
+            ),
+            plan.logs_dir / "orchestrator.log",
+        )  # fmt: skip
+        self.trainer = ChildProcess(
+            "trainer",
+            rawmm_argv("train", str(plan.config_path), "--metrics-host", "127.0.0.1"),
+            plan.logs_dir / "trainer.log",
+        )
+        self.children = [*self.engines, self.trainer, self.orchestrator]
+        self._started = time.monotonic()
+        self._reported_dead: set[str] = set()
+
+    @property
+    def orchestrator_metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.plan.config.monitoring.orchestrator_metrics_port}/metrics"
+
+    @property
+    def trainer_metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.plan.config.monitoring.trainer_metrics_port}/metrics"
+
+    def run(self) -> dict[str, Any]:
+        """Run to the end; returns the summary (also written to summary.json). Raises `LocalRunFailed`
+        (or KeyboardInterrupt) after writing the summary if the run did not finish."""
+        self._prepare()
+        status, error = "completed", None
+        try:
+            with httpx.Client(timeout=2.0) as http, self._live() as live:
+                self._start_engines(http, live)
+                self.trainer.start()
+                self.orchestrator.start()
+                while not self._finished():
+                    self._tick(http, live)
+                    time.sleep(self.tick_s)
+                self._tick(http, live)
+        except LocalRunFailed as exc:
+            status, error = "failed", str(exc)
+            raise
+        except KeyboardInterrupt:
+            status, error = "interrupted", "interrupted (Ctrl-C)"
+            raise
+        finally:
+            self._finish(status, error)
+        return json.loads(self.plan.summary_path.read_text())
+
+    def _prepare(self) -> None:
+        plan = self.plan
+        plan.output_dir.mkdir(parents=True, exist_ok=True)
+        plan.logs_dir.mkdir(exist_ok=True)
+        if plan.tiny_preset is not None and not Path(plan.config.model.path).exists():
+            from rawmm.tiny import build_tiny_model
+
+            self.console.print(f"building the tiny {plan.tiny_preset} checkpoint at {plan.config.model.path}")
+            build_tiny_model(plan.tiny_preset, Path(plan.config.model.path))
+        plan.config.to_yaml(plan.config_path)
+        self.console.print(f"rawmm run: output in {plan.output_dir}")
+
+    def _live(self) -> Live:
+        return Live(
+            self._view(), console=self.console, auto_refresh=False, transient=False,
+            redirect_stdout=False, redirect_stderr=False,
+        )  # fmt: skip
+
+    def _view(self) -> Any:
+        return render(
+            self.state, self.children, steps=self.plan.config.trainer.steps,
+            elapsed_s=time.monotonic() - self._started,
+        )  # fmt: skip
+
+    def _start_engines(self, http: httpx.Client, live: Live) -> None:
+        for engine in self.engines:
+            engine.start()
+        deadline = time.monotonic() + self.engine_start_timeout_s
+        pending = dict(zip(self.state.engine_urls, self.engines, strict=False)) if self.engines else {}
+        while pending:
+            for url, engine in list(pending.items()):
+                if engine.poll() is not None:
+                    raise LocalRunFailed(self._exit_message(engine, "while starting"))
+                version = health_version(http, url)
+                if version is not None:
+                    self.state.engine_versions[url] = version
+                    del pending[url]
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(e.name for e in pending.values())
+                raise LocalRunFailed(f"{names} not healthy after {self.engine_start_timeout_s:.0f}s")
+            live.update(self._view(), refresh=True)
+            time.sleep(0.25)
+
+    def _finished(self) -> bool:
+        for child in (self.orchestrator, self.trainer):
+            code = child.poll()
+            if code not in (None, 0):
+                raise LocalRunFailed(self._exit_message(child))
+        for engine in self.engines:
+            if engine.poll() is not None and not any(e.poll() is None for e in self.engines):
+                raise LocalRunFailed(self._exit_message(engine, "(no engine replica left)"))
+        return self.orchestrator.poll() == 0 and self.trainer.poll() == 0
+
+    def _tick(self, http: httpx.Client, live: Live) -> None:
+        for child in (self.orchestrator, self.trainer):
+            for line in child.new_log_lines():
+                event = self.state.read_line(line)
+                if event is not None and not self.console.is_terminal:
+                    self.console.print(step_line(event))
+        for engine, url in zip(self.engines, self.state.engine_urls, strict=False):
+            if engine.poll() is not None and url not in self._reported_dead:
+                self._reported_dead.add(url)
+                message = self._exit_message(engine)
+                self.state.warnings.append(message)
+                self.console.print(f"[red]{message}[/]")
+        self._scrape(http)
+        live.update(self._view(), refresh=True)
+
+    def _scrape(self, http: httpx.Client) -> None:
+        for url in self.state.engine_urls:
+            if (found := scrape(http, f"{url}/metrics")) is not None:
+                self.state.engines[url] = found
+        if (found := scrape(http, self.orchestrator_metrics_url)) is not None:
+            self.state.orchestrator = found
+        if (found := scrape(http, self.trainer_metrics_url)) is not None:
+            self.state.trainer = found
+
+    def _finish(self, status: str, error: str | None) -> None:
+        try:
+            with httpx.Client(timeout=2.0) as http:
+                self._scrape(http)
+                for url in self.state.engine_urls:
+                    self.state.engine_versions[url] = health_version(http, url)
+            for child in (self.orchestrator, self.trainer):
+                for line in child.new_log_lines():
+                    self.state.read_line(line)
+            if self.on_finished is not None:
+                self.on_finished(self)
+        finally:
+            stop_all(self.children)
+            summary = self.state.summary(
+                status=status,
+                error=error,
+                steps=self.plan.config.trainer.steps,
+                shared_dir=self.plan.config.shared_dir,
+                output_dir=self.plan.output_dir,
+                wall_seconds=time.monotonic() - self._started,
+            )
+            self.plan.summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+
+    def _exit_message(self, child: ChildProcess, context: str = "") -> str:
+        code = child.poll()
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        tail = child.log_tail()
+        return (
+            f"{child.name} {how}{' ' + context if context else ''}; last lines of {child.log_path}:\n{tail}"
+        )

@@ -1,0 +1,257 @@
+"""`rawmm run`: planning checks, the supervisor with stand-in processes (fast), and real end-to-end runs
+on the tiny model (slow)."""
+
+from __future__ import annotations
+
+import _thread
+import json
+import os
+import socket
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rawmm.cli import main
+from rawmm.config import RunConfig
+from rawmm.run import LocalRun, LocalRunFailed, PlanError, plan_local_run
+from rawmm.run.plan import free_port
+from rawmm.run.state import SUMMARY_KEYS
+
+BASE = {
+    "name": "t",
+    "model": {"path": "tiny:qwen2_vl", "preset": "qwen2_vl"},
+    "shared_dir": "shared",
+    "monitoring": {"orchestrator_metrics_port": 0, "trainer_metrics_port": 0},
+}
+
+
+def config(**overrides) -> RunConfig:
+    data = json.loads(json.dumps(BASE))
+    for key, value in overrides.items():
+        section, _, field = key.partition("__")
+        if field:
+            data.setdefault(section, {})[field] = value
+        else:
+            data[section] = value
+    return RunConfig.model_validate(data)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes (it only waits for its parent to reap it).
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+# --- planning: every check happens before anything starts -------------------------------------------
+
+
+def test_plan_resolves_paths_ports_and_the_tiny_model(tmp_path):
+    port = free_port()
+    plan = plan_local_run(
+        config(inference__base_port=port, inference__replicas=2), steps=3, output_dir=tmp_path
+    )
+    effective = plan.config
+    assert effective.shared_dir == tmp_path / "shared"
+    assert effective.model.path == str(tmp_path / "tiny-qwen2_vl") and plan.tiny_preset == "qwen2_vl"
+    assert effective.inference.urls == [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
+    assert plan.engine_ports == (port, port + 1)
+    assert effective.trainer.steps == 3
+    ports = {effective.monitoring.orchestrator_metrics_port, effective.monitoring.trainer_metrics_port}
+    assert 0 not in ports and len(ports) == 2
+    assert not tmp_path.joinpath("run-config.yaml").exists()  # planning writes nothing
+
+
+def test_plan_keeps_an_absolute_shared_dir_and_external_engines(tmp_path):
+    plan = plan_local_run(
+        config(shared_dir=str(tmp_path / "elsewhere"), inference__urls=["http://10.1.2.3:8000"]),
+        output_dir=tmp_path / "out",
+    )
+    assert plan.config.shared_dir == tmp_path / "elsewhere"
+    assert plan.engine_ports == () and plan.config.inference.urls == ["http://10.1.2.3:8000"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"model": {"path": "tiny:qwen3_vl", "preset": "qwen2_vl"}}, "does not match model.preset"),
+        ({"model": {"path": "tiny:kimi_k25", "preset": "kimi_k25"}}, "tiny checkpoints exist for"),
+    ],
+)
+def test_plan_refuses_bad_tiny_models(tmp_path, overrides, message):
+    with pytest.raises(PlanError, match=message):
+        plan_local_run(config(**overrides), output_dir=tmp_path)
+
+
+def test_plan_refuses_busy_ports_and_a_used_shared_dir(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(PlanError, match=f"port {port} for the engine replica"):
+            plan_local_run(config(inference__base_port=port), output_dir=tmp_path)
+        with pytest.raises(PlanError, match=f"port {port} for the monitoring.trainer_metrics_port"):
+            plan_local_run(config(monitoring__trainer_metrics_port=port), output_dir=tmp_path)
+    (tmp_path / "shared" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "shared" / "checkpoints" / "latest").write_text("2\n")
+    with pytest.raises(PlanError, match="already holds a run"):
+        plan_local_run(config(), output_dir=tmp_path)
+
+
+def test_bad_config_is_one_clear_error_and_starts_nothing(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "trainer": {"steps": 0, "learnig_rate": 1}}))
+    out = tmp_path / "out"
+    assert main(["run", str(path), "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.steps" in err and "trainer.learnig_rate: unknown field" in err
+    assert not out.exists()
+
+
+# --- the supervisor, with stand-in processes ----------------------------------------------------------
+
+FAKE_ENGINE = textwrap.dedent(
+    """
+    import http.server, json, subprocess, sys
+    port, pid_file = int(sys.argv[1]), sys.argv[2]
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(pid_file, "w").write(str(helper.pid))
+    METRICS = (
+        "rawmm_materialize_cache_hits_total 30\\nrawmm_materialize_cache_misses_total 10\\n"
+        'rawmm_invalid_mm_image_ref_total{reason="missing_file"} 0\\nrawmm_engine_weights_version 2\\n'
+    )
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/health":
+                body, kind = json.dumps({"status": "ok", "weights_version": 2}), "application/json"
+            else:
+                body, kind = METRICS, "text/plain"
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.end_headers()
+            self.wfile.write(body.encode())
+        def log_message(self, *args):
+            pass
+    http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+    """
+)
+
+FAKE_STEPS = textwrap.dedent(
+    """
+    import json, sys, time
+    event, steps, then = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    for step in range(1, steps + 1):
+        line = {"event": event, "step": step, "reward_mean": 0.25 * step, "loss": 0.5 / step,
+                "rollouts": 8, "samples": 24, "images_sent": 48, "dropped": {}, "tokens": 100,
+                "images_materialized": 6, "missing_images": 0}
+        print(json.dumps(line), flush=True)
+    if then == "hang":
+        time.sleep(600)
+    print("fake process ends with", then, file=sys.stderr, flush=True)
+    sys.exit(int(then))
+    """
+)
+
+
+@pytest.fixture
+def fake_run(tmp_path):
+    """A LocalRun whose engine, trainer and orchestrator are stand-in scripts."""
+    (tmp_path / "engine.py").write_text(FAKE_ENGINE)
+    (tmp_path / "steps.py").write_text(FAKE_STEPS)
+    runs = []
+
+    def make(trainer_then: str = "0", orchestrator_then: str = "0", **kwargs) -> LocalRun:
+        plan = plan_local_run(
+            config(model={"path": str(tmp_path), "preset": "qwen2_vl"}, inference__base_port=free_port()),
+            output_dir=tmp_path / "out",
+        )
+        run = LocalRun(plan, tick_s=0.05, **kwargs)
+        (port,) = plan.engine_ports
+        run.engines[0].argv = [
+            sys.executable,
+            str(tmp_path / "engine.py"),
+            str(port),
+            str(tmp_path / "helper.pid"),
+        ]
+        run.trainer.argv = [sys.executable, str(tmp_path / "steps.py"), "trainer_step", "2", trainer_then]
+        run.orchestrator.argv = [
+            sys.executable,
+            str(tmp_path / "steps.py"),
+            "orchestrator_step",
+            "2",
+            orchestrator_then,
+        ]
+        runs.append(run)
+        return run
+
+    yield make
+    for run in runs:
+        for child in run.children:
+            assert child.pid is None or not pid_alive(child.pid), f"{child.name} left running"
+    helper = tmp_path / "helper.pid"
+    if helper.exists():
+        assert not pid_alive(int(helper.read_text())), "the engine's own child was orphaned"
+
+
+def test_completed_run_writes_a_summary_of_steps_and_final_engine_metrics(fake_run):
+    run = fake_run()
+    summary = run.run()
+    assert set(SUMMARY_KEYS) <= set(summary)
+    assert summary == json.loads(run.plan.summary_path.read_text())
+    assert summary["status"] == "completed" and summary["error"] is None
+    assert summary["steps_completed"] == 2
+    assert summary["reward_mean"] == [0.25, 0.5] and summary["loss"] == [0.5, 0.25]
+    assert (summary["cache_hits"], summary["cache_misses"], summary["cache_hit_rate"]) == (30, 10, 0.75)
+    assert summary["invalid_mm_image_refs"] == 0 and summary["images_materialized_trainer"] == 12
+    assert summary["engine_weights_version"] == {run.plan.config.inference.urls[0]: 2}
+    assert RunConfig.from_yaml(run.plan.config_path) == run.plan.config
+
+
+def test_a_failing_trainer_stops_everything_and_says_why(fake_run):
+    run = fake_run(trainer_then="3", orchestrator_then="hang")
+    with pytest.raises(LocalRunFailed, match=r"(?s)trainer exited with code 3.*fake process ends with 3"):
+        run.run()
+    summary = json.loads(run.plan.summary_path.read_text())
+    assert summary["status"] == "failed" and "trainer exited with code 3" in summary["error"]
+
+
+def test_losing_the_only_engine_fails_the_run(fake_run):
+    run = fake_run(trainer_then="hang", orchestrator_then="hang")
+    killer = threading.Thread(target=lambda: _kill_when_started(run))
+    killer.start()
+    with pytest.raises(LocalRunFailed, match="engine-0 was killed by signal 9 .no engine replica left"):
+        run.run()
+    killer.join()
+
+
+def _kill_when_started(run: LocalRun) -> None:
+    event = threading.Event()
+    while not (run.trainer.pid and run.orchestrator.pid) and not event.wait(0.02):
+        pass
+    os.killpg(run.engines[0].pid, 9)
+
+
+def test_ctrl_c_stops_every_process_and_records_the_interruption(fake_run):
+    run = fake_run(trainer_then="hang", orchestrator_then="hang")
+    interrupter = threading.Thread(target=lambda: _interrupt_after_first_step(run))
+    interrupter.start()
+    with pytest.raises(KeyboardInterrupt):
+        run.run()
+    interrupter.join()
+    assert json.loads(run.plan.summary_path.read_text())["status"] == "interrupted"
+
+
+def _interrupt_after_first_step(run: LocalRun) -> None:
+    event = threading.Event()
+    while not run.state.trainer_steps and not event.wait(0.02):
+        pass
+    _thread.interrupt_main()
