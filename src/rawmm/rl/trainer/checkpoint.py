@@ -1,7 +1,8 @@
 """Checkpoints on the shared volume: `checkpoints/step_<N>/` plus `checkpoints/latest`.
 
-Each checkpoint is a complete `from_pretrained` directory (safetensors weights, config, processor and
-tokenizer files), so an engine can load it as it loads the base model. It is written as
+Each checkpoint is a complete `from_pretrained` directory, so an engine can load it as it loads the
+base model: the base checkpoint's own tokenizer, processor, chat template (and remote code) files,
+copied byte for byte, plus the trained weights as safetensors and the model config. It is written as
 `step_<N>.tmp/` and renamed into place, and `latest` (the newest step, as text) is replaced
 atomically after it, so a reader that trusts `latest` never sees a partial checkpoint.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 LATEST = "latest"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 def checkpoint_dir(checkpoints_dir: Path, step: int) -> Path:
@@ -46,15 +48,32 @@ def _write_text_atomically(path: Path, text: str) -> None:
         raise
 
 
-def save_checkpoint(model: Any, processor: Any, checkpoints_dir: Path, step: int) -> Path:
-    """Write `model` (safetensors) and `processor` as `step_<step>/`, then point `latest` at it."""
+def _is_weights(name: str) -> bool:
+    return name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json")
+
+
+def resolve_model_dir(path: str) -> Path:
+    """The local directory of a checkpoint given as a directory or a hub id already in the local cache."""
+    if Path(path).is_dir():
+        return Path(path)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(path, local_files_only=True))
+
+
+def save_checkpoint(model: Any, base_dir: Path, checkpoints_dir: Path, step: int) -> Path:
+    """Write `step_<step>/` (the base checkpoint's non-weight files, then `model` as safetensors),
+    then point `latest` at it."""
     checkpoints_dir = Path(checkpoints_dir)
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir(checkpoints_dir, step)
     staging = final.with_name(final.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)  # left over from a crash mid-write
+    staging.mkdir()
+    for source in Path(base_dir).iterdir():
+        if source.is_file() and not _is_weights(source.name):
+            shutil.copy2(source, staging / source.name)
     model.save_pretrained(staging, safe_serialization=True)
-    processor.save_pretrained(staging)
     if final.exists():  # a re-run of this step (e.g. after a restart): the new weights win
         shutil.rmtree(final)
     os.replace(staging, final)

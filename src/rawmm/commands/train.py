@@ -1,0 +1,71 @@
+"""`rawmm train CONFIG`: train on the run's rollout batches and write a checkpoint per step.
+
+Data-parallel when launched by torchrun (`torchrun --nproc-per-node N -m rawmm.cli train CONFIG`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from rawmm.cli import CliError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="run config YAML (rawmm.config.RunConfig)")
+    parser.add_argument("--steps", type=int, help="train up to this step (default: trainer.steps)")
+    parser.add_argument(
+        "--batch-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="fail if a step's rollout batch does not appear within this time (default: wait forever)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="0.0.0.0",
+        help="address of the /metrics endpoint (port: monitoring section)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from prometheus_client import start_http_server
+
+    from rawmm.config import ConfigError, RunConfig
+    from rawmm.rl.materializer import MissingImageError
+    from rawmm.rl.trainer.distributed import init_distributed, shutdown_distributed
+    from rawmm.rl.trainer.loop import BatchTimeout, Trainer, step_log_line
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
+    try:
+        config = RunConfig.from_yaml(args.config)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+    steps = args.steps if args.steps is not None else config.trainer.steps
+    if steps < 1:
+        raise CliError(f"--steps must be at least 1, got {steps}")
+    if config.trainer.seq_len > config.trainer.micro_batch_tokens:
+        raise CliError(
+            f"trainer.seq_len ({config.trainer.seq_len}) must not exceed trainer.micro_batch_tokens "
+            f"({config.trainer.micro_batch_tokens}): a truncated sample has to fit in one micro-batch"
+        )
+    dist = init_distributed()
+    try:
+        try:
+            trainer = Trainer(config, dist)
+        except (OSError, ValueError) as exc:
+            raise CliError(
+                f"model.path {config.model.path!r}: cannot load the model or its processor: {exc}"
+            ) from None
+        port = config.monitoring.trainer_metrics_port
+        if dist.is_main and port:
+            start_http_server(port, addr=args.metrics_host)
+        trainer.run(
+            steps,
+            batch_timeout=args.batch_timeout,
+            on_step=(lambda result: print(step_log_line(result), flush=True)) if dist.is_main else None,
+        )
+    except (BatchTimeout, MissingImageError) as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        shutdown_distributed()
+    return 0

@@ -1,0 +1,211 @@
+"""The training loop: wait for a step's rollout batch, train on it, write the step's checkpoint."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from rawmm import metrics as shared_metrics
+from rawmm.config import RunConfig
+from rawmm.materialize import load_processor
+from rawmm.rl.batches import batch_path, read_batch
+from rawmm.rl.forward import forward_logprobs, sample_starts
+from rawmm.rl.materializer import MaterializedMicroBatch, RawImageMaterializer
+from rawmm.rl.packing import pack_samples
+from rawmm.rl.samples import RolloutBatch, truncate_sample
+from rawmm.rl.trainer import metrics
+from rawmm.rl.trainer.checkpoint import checkpoint_dir, latest_step, resolve_model_dir, save_checkpoint
+from rawmm.rl.trainer.distributed import DistContext, all_reduce_gradients, all_reduce_sum
+from rawmm.rl.trainer.loss import policy_gradient_loss
+
+
+class BatchTimeout(TimeoutError):
+    """No rollout batch appeared for a step within the allowed time."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    loss: float
+    reward_mean: float
+    samples: int
+    tokens: int
+    loss_tokens: int
+    clipped_fraction: float
+    grad_norm: float
+    images: int
+    images_materialized: int
+    missing_images: int
+    materialize_seconds: float
+    step_seconds: float
+    checkpoint: str
+
+
+def wait_for_batch(
+    rollouts_dir: Path, step: int, *, timeout: float | None, poll_interval: float = 0.2
+) -> RolloutBatch:
+    """Block until `step_<step>.msgpack` exists (the orchestrator writes it atomically), then read it."""
+    path = batch_path(rollouts_dir, step)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not path.exists():
+        if deadline is not None and time.monotonic() >= deadline:
+            raise BatchTimeout(f"no rollout batch for step {step} at {path} after {timeout:.0f}s")
+        time.sleep(poll_interval)
+    batch = read_batch(rollouts_dir, step)
+    if batch.step != step:
+        raise ValueError(f"{path} holds the batch of step {batch.step}, expected {step}")
+    return batch
+
+
+class Trainer:
+    """Trains one model on the run's rollout batches, data-parallel over `dist`."""
+
+    def __init__(self, config: RunConfig, dist: DistContext) -> None:
+        from transformers import AutoModelForImageTextToText
+
+        self.config = config
+        self.dist = dist
+        torch.manual_seed(config.trainer.seed)
+        self.loaded = load_processor(
+            config.model.path,
+            backend=config.model.processor_backend,
+            trust_remote_code=config.model.trust_remote_code,
+        )
+        self.base_dir = resolve_model_dir(config.model.path)
+        self.step = latest_step(config.checkpoints_dir)
+        # Resume from the newest checkpoint; the optimizer state starts fresh.
+        weights = checkpoint_dir(config.checkpoints_dir, self.step) if self.step else self.base_dir
+        self.model = AutoModelForImageTextToText.from_pretrained(
+            weights, dtype=torch.float32, trust_remote_code=config.model.trust_remote_code
+        ).to(dist.device)
+        self.model.train()
+        self.parameters = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.parameters, lr=config.trainer.learning_rate, weight_decay=config.trainer.weight_decay
+        )
+        self.materializer = RawImageMaterializer(
+            self.loaded, roots=[config.offload_dir], missing_image_policy=config.trainer.missing_image_policy
+        )
+        temperature = config.orchestrator.sampling.temperature
+        # Greedy sampling has no temperature to undo; the engine reports plain logprobs then.
+        self.temperature = temperature if temperature > 0 else 1.0
+
+    def train_step(self, batch: RolloutBatch) -> StepResult:
+        """One optimizer step on `batch` (every rank passes the same batch)."""
+        started = time.perf_counter()
+        cfg = self.config.trainer
+        samples = [truncate_sample(s, cfg.seq_len) for s in batch.samples]
+        micro_batches = pack_samples(samples, cfg.micro_batch_tokens)
+        mine = micro_batches[self.dist.rank :: self.dist.world_size]
+
+        self.materializer.begin_step(batch.step)
+        materialized = [self.materializer.materialize(mb) for mb in mine]
+        stats = self.materializer.stats
+        # Zero-loss samples drop out of the normalizer, so sum loss tokens only after materializing.
+        local = torch.tensor(
+            [
+                sum(int(_loss_mask(m).sum()) for m in materialized),
+                stats.images,
+                stats.materialized,
+                stats.missing,
+            ],
+            dtype=torch.float64,
+        )
+        step_tokens, images, images_materialized, missing = (int(v) for v in all_reduce_sum(local))
+
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros(2, dtype=torch.float64)  # loss, clipped tokens
+        for m in materialized:
+            loss_sum += self._backward(m, step_tokens)
+        all_reduce_gradients(self.parameters)
+        all_reduce_sum(loss_sum)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, cfg.max_grad_norm)
+        self.optimizer.step()
+
+        saved = self._checkpoint(batch.step)
+        result = StepResult(
+            step=batch.step,
+            loss=float(loss_sum[0]),
+            reward_mean=sum(s.reward for s in batch.samples) / max(len(batch.samples), 1),
+            samples=len(batch.samples),
+            tokens=sum(len(s) for s in samples),
+            loss_tokens=step_tokens,
+            clipped_fraction=float(loss_sum[1]) / max(step_tokens, 1),
+            grad_norm=float(grad_norm),
+            images=images,
+            images_materialized=images_materialized,
+            missing_images=missing,
+            materialize_seconds=stats.seconds,
+            step_seconds=time.perf_counter() - started,
+            checkpoint=str(saved),
+        )
+        self.step = batch.step
+        if self.dist.is_main:
+            _export(result)
+        return result
+
+    def _backward(self, m: MaterializedMicroBatch, step_tokens: int) -> torch.Tensor:
+        device = self.dist.device
+        new_logprobs = forward_logprobs(
+            self.model, m.batch, m.mm_kwargs, self.materializer.forward_policy, temperature=self.temperature
+        )
+        parts = policy_gradient_loss(
+            new_logprobs,
+            torch.tensor(m.batch.logprobs, dtype=torch.float32, device=device),
+            torch.tensor(m.batch.advantages, dtype=torch.float32, device=device),
+            _loss_mask(m).to(device),
+            clip_low=self.config.trainer.clip_ratio_low,
+            clip_high=self.config.trainer.clip_ratio_high,
+            step_tokens=step_tokens,
+        )
+        parts.loss.backward()
+        return torch.tensor([parts.loss.item(), parts.clipped_tokens], dtype=torch.float64)
+
+    def _checkpoint(self, step: int) -> Path:
+        target = checkpoint_dir(self.config.checkpoints_dir, step)
+        if self.dist.is_main:
+            save_checkpoint(self.model, self.base_dir, self.config.checkpoints_dir, step)
+        if self.dist.world_size > 1:
+            torch.distributed.barrier()  # no rank runs ahead of a checkpoint it may be asked about
+        return target
+
+    def run(
+        self,
+        steps: int,
+        *,
+        batch_timeout: float | None = None,
+        on_step: Callable[[StepResult], None] | None = None,
+    ) -> list[StepResult]:
+        """Train steps `latest + 1 .. steps`, each on `rollouts/step_<N>.msgpack` once it appears."""
+        results = []
+        for step in range(self.step + 1, steps + 1):
+            batch = wait_for_batch(self.config.rollouts_dir, step, timeout=batch_timeout)
+            result = self.train_step(batch)
+            results.append(result)
+            if on_step is not None:
+                on_step(result)
+        return results
+
+
+def _loss_mask(m: MaterializedMicroBatch) -> torch.Tensor:
+    # A sample's first token has no prediction inside the sample, so it never carries loss.
+    return torch.tensor(m.batch.loss_mask, dtype=torch.bool) & ~sample_starts(m.batch.seq_lens)
+
+
+def _export(result: StepResult) -> None:
+    metrics.STEP.set(result.step)
+    metrics.LOSS.set(result.loss)
+    metrics.REWARD_MEAN.set(result.reward_mean)
+    metrics.TOKENS.inc(result.tokens)
+    metrics.MISSING_IMAGES.inc(result.missing_images)
+    shared_metrics.IMAGES_MATERIALIZED.labels(side="trainer").inc(result.images_materialized)
+
+
+def step_log_line(result: StepResult) -> str:
+    """One JSON line per step on stdout: what `rawmm run` and log collectors read."""
+    return json.dumps({"event": "trainer_step", **asdict(result)}, sort_keys=True)

@@ -1,0 +1,112 @@
+"""The trainer on the tiny model: a real step from a batch file to a loadable checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prometheus_client import REGISTRY
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+from rawmm.rl.batches import batch_path
+from rawmm.rl.materializer import MissingImageError
+from rawmm.rl.trainer.checkpoint import checkpoint_dir, latest_step
+from rawmm.rl.trainer.distributed import init_distributed
+from rawmm.rl.trainer.loop import BatchTimeout, Trainer, wait_for_batch
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_step_trains_towards_positive_advantages_and_checkpoints(rollouts, tiny_qwen2_vl):
+    samples = rollouts.standard_batch()
+    rollouts.write(1, samples)
+    images_before = metric("rawmm_images_materialized_total", side="trainer")
+    tokens_before = metric("rawmm_trainer_tokens_total")
+
+    trainer = Trainer(rollouts.config, init_distributed())
+    [result] = trainer.run(1, batch_timeout=5)
+
+    assert result.step == 1 and torch.isfinite(torch.tensor(result.loss))
+    # 2 shared prompt images + 2 zoom images referenced 6 times: each is read and processed once.
+    assert (result.images, result.images_materialized, result.missing_images) == (6, 4, 0)
+    assert result.loss_tokens == sum(sum(s.loss_mask) for s in samples)
+    assert metric("rawmm_trainer_step") == 1
+    assert metric("rawmm_trainer_loss") == pytest.approx(result.loss)
+    assert metric("rawmm_trainer_reward_mean") == pytest.approx(sum(s.reward for s in samples) / len(samples))
+    assert metric("rawmm_images_materialized_total", side="trainer") - images_before == 4
+    assert metric("rawmm_trainer_tokens_total") - tokens_before == sum(len(s) for s in samples)
+
+    # A complete from_pretrained checkpoint, published through `latest`.
+    saved = checkpoint_dir(rollouts.config.checkpoints_dir, 1)
+    assert latest_step(rollouts.config.checkpoints_dir) == 1 and result.checkpoint == str(saved)
+    assert not saved.with_name("step_1.tmp").exists()
+    assert (saved / "model.safetensors").is_file() and (saved / "tokenizer.json").is_file()
+    assert AutoTokenizer.from_pretrained(saved).encode("a red circle") == rollouts.renderer.tokenizer.encode(
+        "a red circle"
+    )
+    before, after = load_file(tiny_qwen2_vl / "model.safetensors"), load_file(saved / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+    # The update raised the likelihood of the positively rewarded completion and lowered the other.
+    rollouts.model = AutoModelForImageTextToText.from_pretrained(saved, dtype=torch.float32).eval()
+    for sample, sign in ((samples[0], 1), (samples[1], -1)):
+        new = torch.tensor(rollouts.logprobs(sample))
+        mask = torch.tensor(sample.loss_mask)
+        change = (new[mask] - torch.tensor(sample.logprobs)[mask]).sum()
+        assert sign * change > 0, (sample.sample_id, change)
+
+
+def test_zero_loss_drops_only_the_sample_with_a_missing_image(rollouts, make_config):
+    samples = rollouts.standard_batch()
+    broken = samples[2]  # g1-r0: its prompt image is shared with g1-r1
+    rollouts.delete_image(broken.mm_refs[0].uri)
+    rollouts.write(1, samples)
+    missing_before = metric("rawmm_trainer_missing_images_total")
+
+    trainer = Trainer(make_config(missing_image_policy="zero_loss"), init_distributed())
+    [result] = trainer.run(1, batch_timeout=5)
+
+    # Both samples of group 1 carry the deleted image; the other group and the text sample train.
+    affected = [s for s in samples if any(r.uri == broken.mm_refs[0].uri for r in s.mm_refs)]
+    assert {s.sample_id for s in affected} == {"g1-r0", "g1-r1"}
+    assert result.missing_images == 2
+    assert result.loss_tokens == sum(sum(s.loss_mask) for s in samples if s not in affected)
+    assert metric("rawmm_trainer_missing_images_total") - missing_before == 2
+    assert latest_step(rollouts.config.checkpoints_dir) == 1
+
+
+def test_missing_image_under_error_stops_with_step_and_uri(rollouts):
+    samples = rollouts.standard_batch()
+    uri = samples[0].mm_refs[0].uri
+    rollouts.delete_image(uri)
+    rollouts.write(1, samples)
+    trainer = Trainer(rollouts.config, init_distributed())
+    with pytest.raises(MissingImageError, match=rf"step 1: .*'g0-r0': {uri}"):
+        trainer.run(1, batch_timeout=5)
+    assert latest_step(rollouts.config.checkpoints_dir) == 0  # nothing was published
+
+
+def test_resume_continues_after_the_latest_checkpoint(rollouts):
+    samples = rollouts.standard_batch()
+    rollouts.write(1, samples)
+    Trainer(rollouts.config, init_distributed()).run(1, batch_timeout=5)
+    resumed = Trainer(rollouts.config, init_distributed())
+    assert resumed.step == 1
+    saved = load_file(checkpoint_dir(rollouts.config.checkpoints_dir, 1) / "model.safetensors")
+    name, tensor = next(iter(saved.items()))
+    torch.testing.assert_close(dict(resumed.model.named_parameters())[name].detach(), tensor)
+    rollouts.write(2, samples)
+    assert [r.step for r in resumed.run(2, batch_timeout=5)] == [2]
+    assert latest_step(rollouts.config.checkpoints_dir) == 2
+
+
+def test_wait_for_batch_times_out_and_checks_the_step(rollouts):
+    with pytest.raises(BatchTimeout, match="step 3"):
+        wait_for_batch(rollouts.config.rollouts_dir, 3, timeout=0.05, poll_interval=0.01)
+    rollouts.write(4, [])
+    batch_path(rollouts.config.rollouts_dir, 4).rename(batch_path(rollouts.config.rollouts_dir, 3))
+    with pytest.raises(ValueError, match="holds the batch of step 4, expected 3"):
+        wait_for_batch(rollouts.config.rollouts_dir, 3, timeout=1)
