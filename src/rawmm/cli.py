@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "layout": ("layout", "placeholder layout of an image size for a model preset"),
     "tiny-model": ("tiny_model", "write a tiny random-weight checkpoint and tokenizer"),
     "orchestrate": ("orchestrate", "play rollouts against the engine replicas and write training batches"),
+    "train": ("train", "train on the run's rollout batches, writing a checkpoint per step (torchrun for DP)"),
     "run": ("run", "run engines, orchestrator and trainer locally on one machine until the run is done"),
 }
 
