@@ -36,6 +36,16 @@ Manifest = dict[str, Any]
 
 
 @dataclass(frozen=True)
+class PodMonitorSettings:
+    """Operator-wide PodMonitor settings (the chart's `runs.podMonitor`): `enabled=False` for clusters
+    without the Prometheus Operator; `labels` so that the cluster's Prometheus selects the monitors."""
+
+    enabled: bool = True
+    interval: str = "15s"
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class RunRef:
     name: str
     namespace: str
@@ -397,23 +407,28 @@ def build_trainer_job(run: RunRef, spec: RLRunSpec) -> Manifest:
     )
 
 
-def build_pod_monitor(run: RunRef) -> Manifest:
+def build_pod_monitor(run: RunRef, settings: PodMonitorSettings) -> Manifest:
     """Scrapes every pod of the run: engines on their HTTP port, orchestrator and trainer on `metrics`."""
+    metadata = _metadata(run, run.name, "monitoring")
+    metadata["labels"].update(dict(settings.labels))
+    endpoints = [
+        {"port": port, "path": "/metrics", "interval": settings.interval} for port in ("http", "metrics")
+    ]
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
-        "metadata": _metadata(run, run.name, "monitoring"),
-        "spec": {
-            "selector": {"matchLabels": {RUN_LABEL: run.name}},
-            "podMetricsEndpoints": [
-                {"port": "http", "path": "/metrics"},
-                {"port": "metrics", "path": "/metrics"},
-            ],
-        },
+        "metadata": metadata,
+        "spec": {"selector": {"matchLabels": {RUN_LABEL: run.name}}, "podMetricsEndpoints": endpoints},
     }
 
 
-def build_children(run: RunRef, spec: RLRunSpec, *, finished: bool = False) -> list[Manifest]:
+def build_children(
+    run: RunRef,
+    spec: RLRunSpec,
+    *,
+    finished: bool = False,
+    pod_monitor: PodMonitorSettings = PodMonitorSettings(),
+) -> list[Manifest]:
     """Every child of the run, in creation order (volume and config before the pods that mount them).
 
     A finished run (Succeeded or Failed) keeps its engines at 0 replicas, releasing their GPUs, and no
@@ -436,6 +451,6 @@ def build_children(run: RunRef, spec: RLRunSpec, *, finished: bool = False) -> l
                 _service(run, trainer_name(run), "trainer", TORCHRUN_PORT, "rendezvous", headless=True)
             )
         children.append(build_trainer_job(run, spec))
-    if spec.monitoring.pod_monitor:
-        children.append(build_pod_monitor(run))
+    if pod_monitor.enabled and spec.monitoring.pod_monitor:
+        children.append(build_pod_monitor(run, pod_monitor))
     return children

@@ -10,9 +10,10 @@ import kopf
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
+from rawmm_operator.builders import PodMonitorSettings
 from rawmm_operator.handlers import DEFAULT_TIMING, LoopTiming, build_registry, operator_settings
 from rawmm_operator.kube import KubeApi
-from rawmm_operator.reconcile import Reconciler
+from rawmm_operator.reconcile import DEFAULT_POD_MONITOR, Reconciler
 
 
 def cluster_api_client() -> k8s.ApiClient:
@@ -31,12 +32,14 @@ async def run_operator(
     namespaces: Collection[str] = (),
     liveness_endpoint: str | None = None,
     timing: LoopTiming = DEFAULT_TIMING,
+    pod_monitor: PodMonitorSettings = DEFAULT_POD_MONITOR,
     settings: kopf.OperatorSettings | None = None,
     stop_flag: asyncio.Event | None = None,
     ready_flag: asyncio.Event | None = None,
 ) -> None:
     """Run until `stop_flag` is set (or a signal): cluster-wide unless `namespaces` are given."""
-    registry = build_registry(Reconciler(KubeApi(api_client)), login=login, timing=timing)
+    reconciler = Reconciler(KubeApi(api_client), pod_monitor=pod_monitor)
+    registry = build_registry(reconciler, login=login, timing=timing)
     await kopf.operator(
         registry=registry,
         settings=settings or operator_settings(),

@@ -11,11 +11,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rawmm.config import format_validation_error
 from rawmm_operator import builders
 from rawmm_operator.builders import RunRef
 from rawmm_operator.kube import ApiError, KubeApi, apply, merge_patch
-from rawmm_operator.spec import KIND, RLRunSpec, run_name_problem
+from rawmm_operator.spec import KIND, InvalidSpec, RLRunSpec, parse_spec
 from rawmm_operator.status import (
     TERMINAL_PHASES,
     Observed,
@@ -26,9 +25,7 @@ from rawmm_operator.status import (
     transitions,
 )
 
-
-class InvalidSpec(Exception):
-    """The spec cannot be reconciled (reported in status and events; retried only when it changes)."""
+DEFAULT_POD_MONITOR = builders.PodMonitorSettings()
 
 
 @dataclass
@@ -51,21 +48,12 @@ def _read_status(body: dict[str, Any]) -> RLRunStatus:
         return RLRunStatus()  # unreadable (another version's?): derive afresh
 
 
-def parse_spec(name: str, spec: Any) -> RLRunSpec:
-    problem = run_name_problem(name)
-    if problem:
-        raise InvalidSpec(problem)
-    try:
-        return RLRunSpec.model_validate(spec or {})
-    except ValidationError as exc:
-        raise InvalidSpec(
-            format_validation_error(exc, source="spec").replace("invalid run config", "invalid RLRun spec")
-        ) from None
-
-
 class Reconciler:
-    def __init__(self, api: KubeApi) -> None:
+    def __init__(
+        self, api: KubeApi, *, pod_monitor: builders.PodMonitorSettings = DEFAULT_POD_MONITOR
+    ) -> None:
         self.api = api
+        self.pod_monitor = pod_monitor
 
     def reconcile(self, namespace: str, name: str) -> Outcome | None:
         """Converge the run; None when it is gone or being deleted. Raises `ApiError` on API failures."""
@@ -113,7 +101,7 @@ class Reconciler:
         )
         finished = before.phase in TERMINAL_PHASES
         outcome = Outcome(body, before, [])
-        for manifest in builders.build_children(run, spec, finished=finished):
+        for manifest in builders.build_children(run, spec, finished=finished, pod_monitor=self.pod_monitor):
             key = (manifest["kind"], manifest["metadata"]["name"])
             if key not in live:
                 live[key] = self.api.get(key[0], run.namespace, key[1])
@@ -134,7 +122,7 @@ class Reconciler:
         )
         self._write_status(body, status)
         outcome.status = status
-        outcome.transitions = transitions(previous, status)
+        outcome.transitions = [*_child_transitions(outcome.actions), *transitions(previous, status)]
         return outcome
 
     def _write_status(self, body: dict[str, Any], status: RLRunStatus) -> None:
@@ -142,3 +130,18 @@ class Reconciler:
         if patch:
             meta = body["metadata"]
             self.api.patch(KIND, meta["namespace"], meta["name"], {"status": patch}, subresource="status")
+
+
+def _child_transitions(actions: dict[str, str]) -> list[Transition]:
+    """One event per pass for the children created, one for those changed, one per skipped child."""
+    events = []
+    for action, reason in (("created", "ChildrenCreated"), ("patched", "ChildrenUpdated")):
+        children = [child for child, done in actions.items() if done == action]
+        if children:
+            events.append(Transition("Normal", reason, f"{action}: {', '.join(children)}"))
+    events += [
+        Transition("Warning", "ChildSkipped", f"{child} {done}")
+        for child, done in actions.items()
+        if done.startswith("skipped")
+    ]
+    return events

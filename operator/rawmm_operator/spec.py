@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 import rawmm
@@ -31,6 +31,7 @@ from rawmm.config import (
     SamplingConfig,
     StrictModel,
     TrainerConfig,
+    format_validation_error,
 )
 from rawmm.quantity import BYTE_SIZE_PATTERN, parse_byte_size
 
@@ -272,3 +273,18 @@ def run_config(run_name: str, namespace: str, spec: RLRunSpec) -> RunConfig:
         trainer=TrainerConfig(**_fields_of(TrainerConfig, spec.trainer)),
         monitoring=MonitoringConfig(**_fields_of(MonitoringConfig, spec.monitoring)),
     )
+
+
+class InvalidSpec(Exception):
+    """The spec cannot be reconciled (reported in status and events; retried only when it changes)."""
+
+
+def parse_spec(name: str, spec: Any) -> RLRunSpec:
+    """The validated spec of the RLRun called `name`, or `InvalidSpec` naming every bad field."""
+    problem = run_name_problem(name)
+    if problem:
+        raise InvalidSpec(problem)
+    try:
+        return RLRunSpec.model_validate(spec or {})
+    except ValidationError as exc:
+        raise InvalidSpec(format_validation_error(exc, source="spec", what="RLRun spec")) from None

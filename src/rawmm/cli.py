@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "orchestrate": ("orchestrate", "play rollouts against the engine replicas and write training batches"),
     "train": ("train", "train on the run's rollout batches, writing a checkpoint per step (torchrun for DP)"),
     "run": ("run", "run engines, orchestrator and trainer locally on one machine until the run is done"),
+    "operator": ("operator", "run the Kubernetes operator that turns RLRun resources into running stacks"),
+    "manifests": ("manifests", "write the RLRun CRD generated from the models, or render a run's children"),
 }
 
 

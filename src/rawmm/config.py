@@ -114,7 +114,8 @@ class TrainerConfig(StrictModel):
     seq_len: int = Field(default=2048, ge=1)
     micro_batch_tokens: int = Field(default=4096, ge=1)
     missing_image_policy: MissingImagePolicy = "error"
-    clip_ratio_low: float = Field(default=0.2, ge=0.0)
+    # the ratio is clipped to [1 - low, 1 + high]; low >= 1 would allow a zero or negative ratio
+    clip_ratio_low: float = Field(default=0.2, ge=0.0, lt=1.0)
     clip_ratio_high: float = Field(default=0.28, ge=0.0)
     max_grad_norm: float = Field(default=1.0, gt=0.0)
     weight_decay: float = Field(default=0.0, ge=0.0)
@@ -180,7 +181,7 @@ class RunConfig(StrictModel):
         return text
 
 
-def format_validation_error(exc: ValidationError, *, source: str) -> str:
+def format_validation_error(exc: ValidationError, *, source: str, what: str = "run config") -> str:
     """One line per problem, each naming the field by its dotted path (`inference.replicas: ...`)."""
     lines = []
     for error in exc.errors(include_url=False):
@@ -191,4 +192,4 @@ def format_validation_error(exc: ValidationError, *, source: str) -> str:
         elif error["type"] == "missing":
             message = "required field is missing"
         lines.append(f"{field}: {message}")
-    return f"{source}: invalid run config:\n  " + "\n  ".join(lines)
+    return f"{source}: invalid {what}:\n  " + "\n  ".join(lines)

@@ -1,0 +1,75 @@
+"""`rawmm manifests`: write the RLRun CRD (generated from the pydantic models), or render a run's children."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rawmm.cli import CliError
+
+CRD_FILE = "rlruns.rawmm.dev.yaml"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=Path("manifests/crds"),
+        help="where the CRD is written (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if the file is out of date"
+    )
+    parser.add_argument("--print", action="store_true", help="print the CRD to stdout instead of writing it")
+    parser.add_argument(
+        "--render",
+        type=Path,
+        metavar="RLRUN_YAML",
+        help="print the children the operator would create for this RLRun (a dry run of its builders)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from rawmm_operator.crd import crd_yaml
+
+    if args.render is not None:
+        print(_render(args.render), end="")
+        return 0
+    text = crd_yaml()
+    if args.print:
+        sys.stdout.write(text)
+        return 0
+    path = args.out_dir / CRD_FILE
+    current = path.read_text() if path.exists() else None
+    if args.check:
+        if current != text:
+            print(f"{path} is out of date: run `rawmm manifests`", file=sys.stderr)
+            return 1
+        return 0
+    if current != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
+    return 0
+
+
+def _render(path: Path) -> str:
+    import yaml
+    from rawmm_operator.builders import RunRef, build_children
+    from rawmm_operator.spec import InvalidSpec, parse_spec
+
+    try:
+        body = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise CliError(f"cannot read {path}: {exc}") from None
+    if not isinstance(body, dict) or body.get("kind") != "RLRun":
+        raise CliError(f"{path}: not an RLRun manifest")
+    meta = body.get("metadata") or {}
+    name = meta.get("name", "")
+    try:
+        spec = parse_spec(name, body.get("spec"))
+    except InvalidSpec as exc:
+        raise CliError(f"{path}: {exc}") from None
+    run_ref = RunRef(name=name, namespace=meta.get("namespace", "default"), uid="<uid of the RLRun>")
+    return yaml.safe_dump_all(build_children(run_ref, spec), sort_keys=False)
