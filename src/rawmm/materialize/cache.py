@@ -95,7 +95,7 @@ class MaterializeCache(Generic[T]):
     def __contains__(self, key: str) -> bool:
         return key in self._items
 
-    def keys(self) -> list[str]:
+    def lru_keys(self) -> list[str]:
         """Cached keys, least recently used first."""
         return list(self._items)
 

@@ -1,0 +1,143 @@
+"""read_ref_image: confined to the offload root, verified against the hash, bombs refused before decoding."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from rawmm.contract import InvalidImageRef, OffloadStore, RawImageDescriptor, encode_ref, parse_ref
+from rawmm.materialize.read import read_ref_image
+
+
+def descriptor(uri: str) -> RawImageDescriptor:
+    return RawImageDescriptor(
+        family="qwen_vl", modality="image", payload={"image_grid_thw": [[1, 2, 2]]}, raw_image_uri=uri
+    )
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def reason_of(excinfo: pytest.ExceptionInfo[InvalidImageRef]) -> str:
+    return excinfo.value.reason
+
+
+def test_reads_the_stored_image_as_rgb(offload_store: OffloadStore) -> None:
+    pixels = np.random.default_rng(0).integers(0, 256, (5, 7, 4), dtype=np.uint8)
+    stored = offload_store.put(Image.fromarray(pixels, mode="RGBA"))
+    image = read_ref_image(descriptor(stored.uri), mm_hash=stored.mm_hash, roots=[offload_store.root])
+    assert image.mode == "RGB" and image.size == (7, 5)
+    assert np.array_equal(np.asarray(image), pixels[..., :3])
+
+
+def test_a_ref_whose_own_hash_differs_from_the_outer_hash_is_rejected(offload_store: OffloadStore) -> None:
+    stored = offload_store.put(Image.new("RGB", (4, 4), "red"))
+    ref = parse_ref(encode_ref(descriptor(stored.uri), stored.mm_hash))
+    with pytest.raises(InvalidImageRef) as excinfo:
+        read_ref_image(ref, mm_hash="0" * 32, roots=[offload_store.root])
+    assert reason_of(excinfo) == "hash_mismatch"
+
+
+def test_bytes_that_do_not_hash_to_the_ref_are_rejected(offload_store: OffloadStore) -> None:
+    red = offload_store.put(Image.new("RGB", (4, 4), "red"))
+    blue = offload_store.put(Image.new("RGB", (4, 4), "blue"))
+    with pytest.raises(InvalidImageRef) as excinfo:
+        read_ref_image(descriptor(red.uri), mm_hash=blue.mm_hash, roots=[offload_store.root])
+    assert reason_of(excinfo) == "hash_mismatch"
+
+
+def test_a_malformed_hash_is_a_malformed_ref(offload_store: OffloadStore) -> None:
+    stored = offload_store.put(Image.new("RGB", (4, 4), "red"))
+    with pytest.raises(InvalidImageRef) as excinfo:
+        read_ref_image(descriptor(stored.uri), mm_hash="XYZ", roots=[offload_store.root])
+    assert reason_of(excinfo) == "malformed_ref"
+
+
+def test_files_outside_the_root_are_never_read(offload_store: OffloadStore, tmp_path: Path) -> None:
+    outside = tmp_path / "secret.png"
+    data = png_bytes(Image.new("RGB", (4, 4), "green"))
+    outside.write_bytes(data)
+    mm_hash = hashlib.sha256(data).hexdigest()[:32]
+    link = offload_store.root / "escape.png"
+    os.symlink(outside, link)
+    for uri in (f"file://{outside}", f"file://{link}", f"file://{offload_store.root}/../secret.png"):
+        with pytest.raises(InvalidImageRef) as excinfo:
+            read_ref_image(descriptor(uri), mm_hash=mm_hash, roots=[offload_store.root])
+        assert reason_of(excinfo) == "outside_offload_root", uri
+
+
+def test_missing_and_unreadable_files(offload_store: OffloadStore) -> None:
+    (offload_store.root / "adir").mkdir()
+    cases = {
+        f"file://{offload_store.root}/ab/nothing.png": "missing_file",
+        f"file://{offload_store.root}/adir": "unreadable_file",
+    }
+    for uri, reason in cases.items():
+        with pytest.raises(InvalidImageRef) as excinfo:
+            read_ref_image(descriptor(uri), mm_hash="a" * 32, roots=[offload_store.root])
+        assert reason_of(excinfo) == reason
+
+
+def test_bytes_that_are_not_an_image_are_a_decode_error(offload_store: OffloadStore) -> None:
+    data = b"\x89PNG\r\n\x1a\n" + b"not really a png" * 10
+    path = offload_store.root / "junk.png"
+    path.write_bytes(data)
+    with pytest.raises(InvalidImageRef) as excinfo:
+        read_ref_image(
+            descriptor(f"file://{path}"),
+            mm_hash=hashlib.sha256(data).hexdigest()[:32],
+            roots=[offload_store.root],
+        )
+    assert reason_of(excinfo) == "decode_error"
+
+
+def test_a_truncated_image_is_a_decode_error(offload_store: OffloadStore) -> None:
+    data = png_bytes(Image.fromarray(np.random.default_rng(1).integers(0, 256, (64, 64, 3), dtype=np.uint8)))
+    truncated = data[: len(data) // 2]
+    path = offload_store.root / "half.png"
+    path.write_bytes(truncated)
+    with pytest.raises(InvalidImageRef) as excinfo:
+        read_ref_image(
+            descriptor(f"file://{path}"),
+            mm_hash=hashlib.sha256(truncated).hexdigest()[:32],
+            roots=[offload_store.root],
+        )
+    assert reason_of(excinfo) == "decode_error"
+
+
+def test_a_decompression_bomb_is_refused_from_its_header(offload_store: OffloadStore) -> None:
+    # A PNG header claiming 20000 x 20000 pixels (400M, past PIL's own bomb limit) in 45 bytes.
+    ihdr = struct.pack(">IIBBBBB", 20_000, 20_000, 8, 2, 0, 0, 0)
+    bomb = b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IEND", b"")
+    path = offload_store.root / "bomb.png"  # the store refuses bombs at ingest; a rogue writer may not
+    path.write_bytes(bomb)
+    with pytest.raises(InvalidImageRef) as excinfo:
+        read_ref_image(
+            descriptor(f"file://{path}"),
+            mm_hash=hashlib.sha256(bomb).hexdigest()[:32],
+            roots=[offload_store.root],
+            max_pixels=10**6,
+        )
+    assert reason_of(excinfo) == "image_too_large"
+    # Our limit applies even below PIL's own bomb threshold.
+    small = offload_store.put(Image.new("RGB", (1001, 1000)))
+    with pytest.raises(InvalidImageRef) as excinfo:
+        read_ref_image(
+            descriptor(small.uri), mm_hash=small.mm_hash, roots=[offload_store.root], max_pixels=10**6
+        )
+    assert reason_of(excinfo) == "image_too_large"
