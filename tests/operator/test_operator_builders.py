@@ -1,0 +1,260 @@
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from operator_samples import CPU_ONLY, EXISTING_CLAIM, ISSUE_EXAMPLE, MULTI_GPU, MULTI_NODE, SPECS, merged
+from rawmm_operator.builders import (
+    RUN_LABEL,
+    PodMonitorSettings,
+    RunRef,
+    build_children,
+    container_resources,
+)
+from rawmm_operator.spec import Resources, parse_spec
+
+from rawmm.config import RunConfig
+from rawmm.quantity import parse_byte_size
+
+RUN = RunRef(name="exp", namespace="ml", uid="5b1f5d0e-6a37-4f8e-8a0d-4bd0c3b3b5a1")
+KUBERNETES_VERSIONS = ["1.31", kubernetes_validate.latest_version()]
+
+
+def children(spec: dict[str, Any], **kwargs: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    built = build_children(RUN, parse_spec(RUN.name, spec), **kwargs)
+    by_key = {(m["kind"], m["metadata"]["name"]): m for m in built}
+    assert len(by_key) == len(built), "two children share a kind and name"
+    return by_key
+
+
+def pod_spec(manifest: dict[str, Any]) -> dict[str, Any]:
+    return manifest["spec"]["template"]["spec"]
+
+
+def all_pod_specs(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [pod_spec(m) for m in children(spec).values() if m["kind"] in ("StatefulSet", "Job")]
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_every_child_validates_strictly(name: str, version: str) -> None:
+    validated = 0
+    for manifest in children(SPECS[name]).values():
+        if manifest["kind"] == "PodMonitor":
+            continue  # a Prometheus Operator CRD: checked in test_pod_monitor below
+        kubernetes_validate.validate(manifest, version, strict=True)
+        validated += 1
+    assert validated >= 6
+
+
+def test_children_are_labelled_and_owned_by_the_run() -> None:
+    for (kind, name), manifest in children(ISSUE_EXAMPLE).items():
+        meta = manifest["metadata"]
+        assert name.startswith("exp"), name
+        assert meta["namespace"] == "ml"
+        assert meta["labels"][RUN_LABEL] == "exp"
+        if kind == "PersistentVolumeClaim":
+            assert "ownerReferences" not in meta  # retainOnDelete: survives the run
+            continue
+        (owner,) = meta["ownerReferences"]
+        assert owner == {
+            "apiVersion": "rawmm.dev/v1alpha1",
+            "kind": "RLRun",
+            "name": "exp",
+            "uid": RUN.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def test_claim_is_owned_when_not_retained_and_absent_when_brought() -> None:
+    owned = children(CPU_ONLY)[("PersistentVolumeClaim", "exp-offload")]
+    assert owned["metadata"]["ownerReferences"][0]["uid"] == RUN.uid
+    assert owned["spec"] == {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "5Gi"}}}
+    brought = children(EXISTING_CLAIM)
+    assert not [key for key in brought if key[0] == "PersistentVolumeClaim"]
+    for pod in all_pod_specs(EXISTING_CLAIM):
+        assert {"name": "shared", "persistentVolumeClaim": {"claimName": "team-shared-rwx"}} in pod["volumes"]
+
+
+def test_issue_example_claim_uses_its_storage_class() -> None:
+    claim = children(ISSUE_EXAMPLE)[("PersistentVolumeClaim", "exp-offload")]
+    assert claim["spec"]["storageClassName"] == "nfs-client"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "200Gi"
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_every_pod_mounts_the_shared_volume_at_the_same_path_and_is_locked_down(name: str) -> None:
+    for pod in all_pod_specs(SPECS[name]):
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        for container in pod["containers"]:
+            assert {"name": "shared", "mountPath": "/shared"} in container["volumeMounts"]
+            security = container["securityContext"]
+            assert security["allowPrivilegeEscalation"] is False
+            assert security["readOnlyRootFilesystem"] is True
+            assert container["resources"]["requests"]["cpu"]
+            assert container["resources"]["requests"]["memory"]
+
+
+def test_engine_statefulset_serves_raw_refs_with_the_cache_budget() -> None:
+    built = children(ISSUE_EXAMPLE)
+    engines = built[("StatefulSet", "exp-engine")]
+    assert engines["spec"]["replicas"] == 2
+    assert engines["spec"]["serviceName"] == "exp-engine-headless"
+    (container,) = pod_spec(engines)["containers"]
+    args = container["args"]
+    assert container["command"] == ["rawmm"] and args[0] == "serve"
+    assert args[args.index("--engine") + 1] == "vllm"
+    assert args[args.index("--model") + 1] == "Qwen/Qwen3-VL-4B-Instruct"
+    assert args[args.index("--offload-root") + 1] == "/shared/images"
+    assert args[args.index("--processor-backend") + 1] == "torchvision"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["RAWMM_MATERIALIZE_CACHE_SIZE"] == "4Gi"
+    resources = container["resources"]
+    # 32Gi asked for the engine itself + the 4Gi cache budget, requested and limited
+    assert parse_byte_size(resources["requests"]["memory"]) == (32 + 4) * 2**30
+    assert parse_byte_size(resources["limits"]["memory"]) == (32 + 4) * 2**30
+    assert resources["limits"]["nvidia.com/gpu"] == 1
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    headless = built[("Service", "exp-engine-headless")]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"] == engines["spec"]["selector"]["matchLabels"]
+    assert pod_spec(engines).get("nodeSelector") is None
+
+
+def test_urls_in_the_config_map_name_the_statefulset_pods() -> None:
+    built = children(MULTI_GPU)
+    config = RunConfig.from_mapping(yaml.safe_load(built[("ConfigMap", "exp-config")]["data"]["run.yaml"]))
+    engines = built[("StatefulSet", "exp-engine")]
+    service = engines["spec"]["serviceName"]
+    assert config.inference.urls == [f"http://exp-engine-{i}.{service}.ml.svc:8000" for i in range(3)]
+
+
+def test_multi_gpu_engines_get_gpus_tensor_parallelism_and_scheduling() -> None:
+    engines = children(MULTI_GPU)[("StatefulSet", "exp-engine")]
+    pod = pod_spec(engines)
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert container["args"][container["args"].index("--tensor-parallel-size") + 1] == "4"
+    assert container["args"][-2:] == ["--max-model-len", "32768"]
+    assert pod["nodeSelector"] == MULTI_GPU["inference"]["nodeSelector"]
+    assert pod["tolerations"] == MULTI_GPU["inference"]["tolerations"]
+    assert pod["affinity"] == MULTI_GPU["inference"]["affinity"]
+
+
+def test_cpu_only_run_has_no_gpus_and_a_memory_limit_with_the_cache() -> None:
+    built = children(CPU_ONLY)
+    for pod in all_pod_specs(CPU_ONLY):
+        for container in pod["containers"]:
+            for part in ("requests", "limits"):
+                assert "nvidia.com/gpu" not in container["resources"].get(part, {})
+    (engine,) = pod_spec(built[("StatefulSet", "exp-engine")])["containers"]
+    assert engine["args"][engine["args"].index("--engine") + 1] == "transformers"
+    assert parse_byte_size(engine["resources"]["limits"]["memory"]) == 3 * 2**30 + 256 * 2**20
+    assert parse_byte_size(engine["resources"]["requests"]["memory"]) == 2 * 2**30 + 256 * 2**20
+    (trainer,) = pod_spec(built[("Job", "exp-trainer")])["containers"]
+    assert [trainer["command"][0], *trainer["args"]] == ["rawmm", "train", "/etc/rawmm/run.yaml"]
+    assert not [key for key in built if key[0] == "PodMonitor"]
+
+
+def test_orchestrator_job_runs_the_config_from_the_config_map() -> None:
+    built = children(ISSUE_EXAMPLE)
+    job = built[("Job", "exp-orchestrator")]
+    (container,) = pod_spec(job)["containers"]
+    assert [*container["command"], *container["args"]] == ["rawmm", "orchestrate", "/etc/rawmm/run.yaml"]
+    assert {"name": "config", "mountPath": "/etc/rawmm", "readOnly": True} in container["volumeMounts"]
+    assert {"name": "config", "configMap": {"name": "exp-config"}} in pod_spec(job)["volumes"]
+    assert job["spec"]["backoffLimit"] == 0
+    assert pod_spec(job)["restartPolicy"] == "Never"
+
+
+def test_single_node_multi_gpu_trainer_runs_under_standalone_torchrun() -> None:
+    trainer = children(ISSUE_EXAMPLE)[("Job", "exp-trainer")]
+    (container,) = pod_spec(trainer)["containers"]
+    assert container["command"] == ["torchrun"]
+    assert "--standalone" in container["args"] and "--nproc-per-node=8" in container["args"]
+    assert container["args"][-4:] == ["--no-python", "rawmm", "train", "/etc/rawmm/run.yaml"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert trainer["spec"]["completionMode"] == "Indexed"
+
+
+def test_multi_node_trainer_is_an_indexed_job_with_a_rendezvous_service() -> None:
+    built = children(MULTI_NODE)
+    trainer = built[("Job", "exp-trainer")]
+    assert trainer["spec"]["completionMode"] == "Indexed"
+    assert trainer["spec"]["completions"] == trainer["spec"]["parallelism"] == 4
+    pod = pod_spec(trainer)
+    service = built[("Service", "exp-trainer")]
+    assert service["spec"]["clusterIP"] == "None"
+    assert pod["subdomain"] == service["metadata"]["name"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert "--nnodes=4" in args and "--nproc-per-node=8" in args and "--node-rank=$(NODE_RANK)" in args
+    assert "--master-addr=exp-trainer-0.exp-trainer.ml.svc" in args
+    (rank,) = [e for e in container["env"] if e["name"] == "NODE_RANK"]
+    assert "job-completion-index" in rank["valueFrom"]["fieldRef"]["fieldPath"]
+    assert service["spec"]["selector"] == {RUN_LABEL: "exp", "app.kubernetes.io/component": "trainer"}
+
+
+def test_suspend_scales_engines_to_zero_and_suspends_the_jobs() -> None:
+    built = children(merged(ISSUE_EXAMPLE, {"suspend": True}))
+    assert built[("StatefulSet", "exp-engine")]["spec"]["replicas"] == 0
+    assert built[("Job", "exp-orchestrator")]["spec"]["suspend"] is True
+    assert built[("Job", "exp-trainer")]["spec"]["suspend"] is True
+
+
+def test_finished_run_releases_engines_and_leaves_its_jobs_alone() -> None:
+    built = children(ISSUE_EXAMPLE, finished=True)
+    assert built[("StatefulSet", "exp-engine")]["spec"]["replicas"] == 0
+    assert not [key for key in built if key[0] == "Job"]
+
+
+def test_cache_size_change_changes_only_the_engine_template() -> None:
+    before = children(ISSUE_EXAMPLE)
+    after = children(merged(ISSUE_EXAMPLE, {"inference": {"materializeCacheSize": "8Gi"}}))
+    changed = {key for key in before if before[key] != after[key]}
+    assert changed == {("StatefulSet", "exp-engine"), ("ConfigMap", "exp-config")}
+    assert pod_spec(before[("StatefulSet", "exp-engine")]) != pod_spec(after[("StatefulSet", "exp-engine")])
+
+
+def test_pod_monitor() -> None:
+    settings = PodMonitorSettings(interval="30s", labels=(("release", "kube-prometheus-stack"),))
+    monitor = children(ISSUE_EXAMPLE, pod_monitor=settings)[("PodMonitor", "exp")]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["selector"] == {"matchLabels": {RUN_LABEL: "exp"}}
+    ports = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    assert {e["interval"] for e in monitor["spec"]["podMetricsEndpoints"]} == {"30s"}
+    # every scraped port name exists on the pods it selects
+    pod_ports = {
+        p["name"] for pod in all_pod_specs(ISSUE_EXAMPLE) for c in pod["containers"] for p in c["ports"]
+    }
+    assert ports <= pod_ports
+    assert not [
+        k
+        for k in children(ISSUE_EXAMPLE, pod_monitor=PodMonitorSettings(enabled=False))
+        if k[0] == "PodMonitor"
+    ]
+
+
+def test_building_twice_gives_the_same_manifests() -> None:
+    assert children(MULTI_NODE) == children(MULTI_NODE)
+
+
+@pytest.mark.parametrize(
+    ("requests", "limits", "expected_request", "expected_limit"),
+    [
+        ({"memory": "1Gi"}, {}, 2 * 2**30, 2 * 2**30),
+        ({"memory": "1Gi"}, {"memory": "4Gi"}, 2 * 2**30, 5 * 2**30),
+        ({}, {}, 2**30, 2**30),
+    ],
+)
+def test_container_resources_add_the_extra_memory(
+    requests: dict, limits: dict, expected_request: int, expected_limit: int
+) -> None:
+    out = container_resources(Resources(requests=requests, limits=limits), gpus=0, extra_memory_bytes=2**30)
+    assert parse_byte_size(out["requests"]["memory"]) == expected_request
+    assert parse_byte_size(out["limits"]["memory"]) == expected_limit

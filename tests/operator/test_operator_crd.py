@@ -1,0 +1,209 @@
+from __future__ import annotations
+
+import copy
+import itertools
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import celpy
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from operator_samples import SPECS, apply_schema_defaults, rlrun
+from rawmm_operator.crd import crd_manifest, crd_yaml, spec_schema
+from rawmm_operator.spec import InferenceSpec, parse_spec
+
+REPO = Path(__file__).resolve().parents[2]
+CRD_FILE = REPO / "manifests" / "crds" / "rlruns.rawmm.dev.yaml"
+KUBERNETES_VERSIONS = ["1.31", kubernetes_validate.latest_version()]
+
+
+def open_api_schema() -> dict[str, Any]:
+    return crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def prune_nulls(value: Any) -> Any:
+    """The API server drops nulls of non-nullable fields before validation."""
+    if isinstance(value, dict):
+        return {k: prune_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [prune_nulls(v) for v in value]
+    return value
+
+
+def as_stored(body: dict[str, Any]) -> dict[str, Any]:
+    """An RLRun as the API server stores it: nulls pruned, schema defaults applied."""
+    return apply_schema_defaults(open_api_schema(), prune_nulls(copy.deepcopy(body)))
+
+
+def schema_nodes(node: dict[str, Any], path: str = "") -> Any:
+    """Every schema node: the root, its properties, items and map values, recursively."""
+    yield path, node
+    for name, sub in node.get("properties", {}).items():
+        yield from schema_nodes(sub, f"{path}.{name}")
+    if "items" in node:
+        yield from schema_nodes(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from schema_nodes(node["additionalProperties"], f"{path}{{}}")
+
+
+def test_committed_crd_is_the_generated_one() -> None:
+    assert CRD_FILE.read_text() == crd_yaml(), "run `rawmm manifests` to regenerate the CRD"
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_crd_is_a_valid_custom_resource_definition(version: str) -> None:
+    kubernetes_validate.validate(crd_manifest(), version, strict=True)
+
+
+def test_schema_is_structural() -> None:
+    for path, node in schema_nodes(open_api_schema()):
+        assert not {"$ref", "$defs", "anyOf", "allOf", "oneOf", "title"} & set(node), path
+        assert "type" in node or node.get("x-kubernetes-int-or-string"), f"{path} has no type"
+        if "additionalProperties" in node:
+            assert isinstance(node["additionalProperties"], dict) and "properties" not in node, path
+        for bound in ("exclusiveMinimum", "exclusiveMaximum"):
+            assert isinstance(node.get(bound, True), bool), f"{path}: OpenAPI v3.0 wants a boolean {bound}"
+
+
+def test_every_schema_default_is_valid_for_its_own_schema() -> None:
+    defaults = [(path, node) for path, node in schema_nodes(spec_schema()) if "default" in node]
+    assert len(defaults) > 40
+    for _, node in defaults:
+        jsonschema.Draft4Validator(node).validate(node["default"])
+
+
+def test_status_has_no_defaults_and_conditions_are_a_map_by_type() -> None:
+    status = open_api_schema()["properties"]["status"]
+    assert not [path for path, node in schema_nodes(status) if "default" in node]
+    conditions = status["properties"]["conditions"]
+    assert conditions["x-kubernetes-list-type"] == "map"
+    assert conditions["x-kubernetes-list-map-keys"] == ["type"]
+
+
+def test_crd_names_printer_columns_and_status_subresource() -> None:
+    crd = crd_manifest()
+    assert crd["metadata"]["name"] == "rlruns.rawmm.dev"
+    names = crd["spec"]["names"]
+    assert (names["kind"], names["plural"], names["shortNames"]) == ("RLRun", "rlruns", ["rlr"])
+    version = crd["spec"]["versions"][0]
+    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert {"Phase", "Model", "Step", "Cache Hit Rate", "Age"} <= set(columns)
+    schema = open_api_schema()
+    for json_path in columns.values():
+        if json_path.startswith(".metadata"):
+            continue
+        node = schema
+        for part in json_path.strip(".").split("."):
+            node = node["properties"][part]  # every column points at a field the schema has
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_defaults_applied_by_the_server_equal_the_models_defaults(name: str) -> None:
+    body = rlrun("run", SPECS[name])
+    assert parse_spec("run", as_stored(body)["spec"]) == parse_spec("run", prune_nulls(body["spec"]))
+
+
+def test_a_minimal_spec_stored_with_defaults_is_complete() -> None:
+    stored = as_stored(rlrun("run", {"model": {"name": "m", "preset": "qwen2_vl"}}))["spec"]
+    assert stored["inference"]["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"}}
+    assert stored["orchestrator"]["sampling"] == {"temperature": 1.0, "topP": 1.0}
+    assert stored["offload"]["accessMode"] == "ReadWriteMany"
+    assert parse_spec("run", stored) == parse_spec("run", {"model": {"name": "m", "preset": "qwen2_vl"}})
+
+
+def example_bodies() -> list[tuple[str, dict[str, Any]]]:
+    bodies = [(f"sample:{name}", rlrun("run", spec)) for name, spec in SPECS.items()]
+    for path in sorted((REPO / "manifests" / "examples").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "RLRun":
+                bodies.append((path.name, doc))
+    return bodies
+
+
+@pytest.mark.parametrize(("source", "body"), example_bodies(), ids=[s for s, _ in example_bodies()])
+def test_examples_validate_against_the_crd_schema_and_the_models(source: str, body: dict[str, Any]) -> None:
+    jsonschema.Draft4Validator(open_api_schema()).validate(as_stored(body))
+    parse_spec(body["metadata"]["name"], prune_nulls(body["spec"]))
+
+
+@pytest.mark.parametrize(
+    ("patch", "path"),
+    [
+        ({"inference": {"replicas": 0}}, ["spec", "inference", "replicas"]),
+        ({"inference": {"materializeCacheSize": "2GB"}}, ["spec", "inference", "materializeCacheSize"]),
+        ({"orchestrator": {"sampling": {"topP": 0}}}, ["spec", "orchestrator", "sampling", "topP"]),
+        ({"model": {"preset": "llava"}}, ["spec", "model", "preset"]),
+        ({"trainer": {"missingImagePolicy": "skip"}}, ["spec", "trainer", "missingImagePolicy"]),
+    ],
+)
+def test_schema_rejects_out_of_range_values(patch: dict[str, Any], path: list[str]) -> None:
+    body = rlrun("run", SPECS["issue-example"])
+    for key, value in patch.items():
+        body["spec"][key] = {**body["spec"][key], **value}
+    errors = list(jsonschema.Draft4Validator(open_api_schema()).iter_errors(as_stored(body)))
+    assert [list(e.absolute_path) for e in errors] == [path]
+
+
+# --- CEL rules, evaluated with a CEL interpreter (the API server evaluates the same text) ---
+
+
+def cel_rules(node: dict[str, Any]) -> list[dict[str, str]]:
+    return node.get("x-kubernetes-validations", [])
+
+
+def evaluate(rule: str, self_value: Any, old_value: Any = None) -> bool:
+    env = celpy.Environment()
+    activation = {"self": celpy.json_to_cel(self_value)}
+    if old_value is not None:
+        activation["oldSelf"] = celpy.json_to_cel(old_value)
+    return bool(env.program(env.compile(rule)).evaluate(activation))
+
+
+def test_every_cel_rule_compiles() -> None:
+    env = celpy.Environment()
+    rules = [rule for _, node in schema_nodes(open_api_schema()) for rule in cel_rules(node)]
+    assert len(rules) >= 7
+    for rule in rules:
+        env.compile(rule["rule"])
+
+
+def test_inference_cel_rules_agree_with_the_operator_checks() -> None:
+    node = open_api_schema()["properties"]["spec"]["properties"]["inference"]
+    cel = {rule["message"]: rule["rule"] for rule in cel_rules(node)}
+    python = {rule.message: rule for rule in InferenceSpec.rules if rule.cel}
+    assert set(cel) == set(python)
+    for engine, gpus, tp in itertools.product(["vllm", "transformers"], [0, 1, 2, 4], [1, 2, 4, 8]):
+        raw = apply_schema_defaults(node, {"engine": engine, "gpus": gpus, "tensorParallelSize": tp})
+        model = SimpleNamespace(engine=engine, gpus=gpus, tensor_parallel_size=tp)
+        for message, rule in python.items():
+            assert evaluate(cel[message], raw) == rule.holds(model), (message, engine, gpus, tp)
+
+
+def test_model_and_claim_are_immutable_but_the_rest_may_change() -> None:
+    spec = open_api_schema()["properties"]["spec"]
+    (model_rule,) = cel_rules(spec["properties"]["model"])
+    old_model = {"name": "a", "preset": "qwen2_vl"}
+    assert evaluate(model_rule["rule"], old_model, old_model)
+    assert not evaluate(model_rule["rule"], {**old_model, "name": "b"}, old_model)
+
+    offload_rules = [r["rule"] for r in cel_rules(spec["properties"]["offload"])]
+    old = apply_schema_defaults(spec["properties"]["offload"], {"existingClaim": "shared"})
+
+    def allowed(new: dict[str, Any]) -> bool:
+        return all(evaluate(rule, new, old) for rule in offload_rules)
+
+    assert allowed({**old, "retainOnDelete": False, "size": "500Gi"})
+    assert not allowed({**old, "existingClaim": "other"})
+    assert not allowed({k: v for k, v in old.items() if k != "existingClaim"})
+    assert not allowed({**old, "storageClassName": "fast"})
+    assert not allowed({**old, "accessMode": "ReadWriteOnce"})
+
+
+def test_run_name_length_rule() -> None:
+    (rule,) = cel_rules(open_api_schema())
+    assert evaluate(rule["rule"], {"metadata": {"name": "a" * 40}})
+    assert not evaluate(rule["rule"], {"metadata": {"name": "a" * 41}})

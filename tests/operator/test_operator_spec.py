@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import pytest
+import yaml
+from operator_samples import CPU_ONLY, ISSUE_EXAMPLE, MULTI_NODE, SPECS, merged
+from rawmm_operator.spec import InvalidSpec, RLRunSpec, default_image, engine_urls, parse_spec, run_config
+
+import rawmm
+from rawmm.config import RunConfig
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_sample_specs_parse(name: str) -> None:
+    assert isinstance(parse_spec("run", SPECS[name]), RLRunSpec)
+
+
+def test_spec_is_camel_case_and_inherits_the_run_config_defaults() -> None:
+    spec = parse_spec("run", {"model": {"name": "m", "preset": "qwen2_vl"}})
+    config_defaults = RunConfig.model_validate(
+        {"model": {"path": "m", "preset": "qwen2_vl"}, "shared_dir": "/s"}
+    )
+    assert spec.orchestrator.prompts_per_step == config_defaults.orchestrator.prompts_per_step
+    assert spec.trainer.clip_ratio_high == config_defaults.trainer.clip_ratio_high
+    assert spec.inference.materialize_cache_size == config_defaults.inference.materialize_cache_size
+    assert spec.inference.engine == "vllm"  # the cluster default differs from local runs on purpose
+    assert (
+        spec.inference.image
+        == default_image("inference")
+        == f"ghcr.io/rawmm/rawmm-inference:{rawmm.__version__}"
+    )
+    with pytest.raises(InvalidSpec, match="orchestrator.prompts_per_step: unknown field"):
+        parse_spec(
+            "run", {"model": {"name": "m", "preset": "qwen2_vl"}, "orchestrator": {"prompts_per_step": 3}}
+        )
+
+
+@pytest.mark.parametrize(
+    ("patch", "fragment"),
+    [
+        (
+            {"inference": {"materializeCacheSize": "lots"}},
+            "inference.materializeCacheSize: invalid byte size 'lots'",
+        ),
+        ({"inference": {"gpus": 0}}, "the vllm engine needs gpus >= 1"),
+        ({"inference": {"gpus": 2, "tensorParallelSize": 4}}, "tensorParallelSize cannot exceed"),
+        (
+            {"inference": {"resources": {"requests": {"memory": "1e9"}}}},
+            "resources.requests.memory must be bytes",
+        ),
+        ({"trainer": {"nodes": 0}}, "trainer.nodes: "),
+        ({"trainer": {"clipRatioLow": 1.0}}, "trainer.clipRatioLow: "),
+        ({"offload": {"accessMode": "ReadOnlyMany"}}, "offload.accessMode: "),
+        ({"suspend": "yes please"}, "suspend: "),
+        ({"extra": 1}, "extra: unknown field"),
+    ],
+)
+def test_bad_specs_name_the_field(patch: dict, fragment: str) -> None:
+    with pytest.raises(InvalidSpec) as info:
+        parse_spec("run", merged(ISSUE_EXAMPLE, patch))
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [
+        ("a" * 41, "at most 40 characters"),
+        ("run.v2", "DNS-1035"),
+        ("7th-run", "DNS-1035"),
+        ("Run", "DNS-1035"),
+    ],
+)
+def test_names_that_cannot_name_children_are_invalid(name: str, fragment: str) -> None:
+    with pytest.raises(InvalidSpec, match=fragment):
+        parse_spec(name, CPU_ONLY)
+
+
+def test_run_config_for_the_pods() -> None:
+    spec = parse_spec("exp", ISSUE_EXAMPLE)
+    config = run_config("exp", "ml", spec)
+    # The ConfigMap text must load back through the same strict loader the pods use.
+    assert RunConfig.from_mapping(yaml.safe_load(config.to_yaml())) == config
+    assert config.name == "exp"
+    assert config.model.path == "Qwen/Qwen3-VL-4B-Instruct"
+    assert config.model.processor_backend == "torchvision"
+    assert str(config.shared_dir) == "/shared"
+    assert config.inference.engine == "vllm"
+    assert config.inference.materialize_cache_size == "4Gi"
+    assert config.inference.urls == [
+        "http://exp-engine-0.exp-engine-headless.ml.svc:8000",
+        "http://exp-engine-1.exp-engine-headless.ml.svc:8000",
+    ]
+    assert config.orchestrator.prompts_per_step == 8
+    assert config.orchestrator.max_tokens == 256
+    assert config.trainer.learning_rate == 1e-6
+    assert config.trainer.seq_len == 8192
+
+
+def test_engine_urls_follow_the_replica_count() -> None:
+    spec = parse_spec("big", MULTI_NODE)
+    assert run_config("big", "team", spec).inference.urls == engine_urls("big", "team", 4)
+    assert len(set(engine_urls("big", "team", 4))) == 4
