@@ -61,3 +61,29 @@ def validate_object(body: dict[str, Any], kube_version: str) -> None:
             )
         return
     kubernetes_validate.validate(body, kube_version, strict=True)
+
+
+def crd_validator(crd: dict[str, Any]) -> jsonschema.Validator:
+    """A validator of custom resources against the CRD's openAPIV3Schema, strict the way
+    `kubectl apply --validate=strict` is: unknown fields are errors (the API server would otherwise drop
+    them silently). CEL rules are not evaluated here."""
+    (version,) = crd["spec"]["versions"]
+    # OpenAPI v3 schemas use draft 4's boolean exclusiveMinimum/exclusiveMaximum.
+    return jsonschema.Draft4Validator(_strict_openapi(version["schema"]["openAPIV3Schema"]))
+
+
+def _strict_openapi(node: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in node.items() if not k.startswith("x-kubernetes-") and k != "nullable"}
+    if node.get("x-kubernetes-int-or-string"):
+        out["type"] = ["integer", "string"]
+    if node.get("nullable") and "type" in out:
+        out["type"] = [*([out["type"]] if isinstance(out["type"], str) else out["type"]), "null"]
+    if "properties" in node:
+        out["properties"] = {name: _strict_openapi(sub) for name, sub in node["properties"].items()}
+        if not node.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+    if isinstance(node.get("additionalProperties"), dict):
+        out["additionalProperties"] = _strict_openapi(node["additionalProperties"])
+    if "items" in node:
+        out["items"] = _strict_openapi(node["items"])
+    return out

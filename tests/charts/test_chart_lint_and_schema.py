@@ -16,7 +16,9 @@ CHART_DIR = load_generate().CHART_DIR
 @pytest.mark.parametrize("values_path", [None, *values_files()], ids=lambda p: p.stem if p else "defaults")
 def test_lint_strict_passes(values_path: Any, kube_version: str) -> None:
     values = read_values(values_path) if values_path else None
-    report = helm.lint(CHART_DIR, values, strict=True, namespace="rawmm-system", kube_version=f"v{kube_version}.0")
+    report = helm.lint(
+        CHART_DIR, values, strict=True, namespace="rawmm-system", kube_version=f"v{kube_version}.0"
+    )
     problems = [m for m in report["messages"] if m["severity"] >= 2]
     assert report["errors"] == [] and problems == [], report
 
@@ -37,7 +39,10 @@ BAD_VALUES = [
     ({"crds": {"install": "yes"}}, "/crds/install"),
     ({"dashboards": {"labels": {"grafana_dashboard": 1}}}, "/dashboards/labels/grafana_dashboard"),
     ({"metrics": {"serviceMonitor": {"interval": "30 seconds"}}}, "/metrics/serviceMonitor/interval"),
-    ({"prometheusRule": {"cacheHitRateLow": {"threshold": 1.5}}}, "/prometheusRule/cacheHitRateLow/threshold"),
+    (
+        {"prometheusRule": {"cacheHitRateLow": {"threshold": 1.5}}},
+        "/prometheusRule/cacheHitRateLow/threshold",
+    ),
     ({"prometheusRule": {"trainerStalled": {"for": "soon"}}}, "/prometheusRule/trainerStalled/for"),
     ({"runs": {"podMonitor": {"labels": {"release": 3}}}}, "/runs/podMonitor/labels/release"),
     ({"operatr": {}}, "operatr"),

@@ -174,7 +174,9 @@ def test_chart_crd_is_the_operators_crd() -> None:
 
 
 def test_dashboards_are_labelled_configmaps_holding_each_dashboard() -> None:
-    dashboards = {path.name: json.loads(path.read_text()) for path in (generate.CHART_DIR / "dashboards").glob("*.json")}
+    dashboards = {
+        path.name: json.loads(path.read_text()) for path in (generate.CHART_DIR / "dashboards").glob("*.json")
+    }
     assert set(dashboards) == {"materialization.json", "rl-run.json", "operator.json"}
     config_maps = by_kind(_render("defaults"), "ConfigMap")
     shipped = {}
@@ -216,6 +218,7 @@ def test_namespaced_install_binds_the_operator_role_only_in_watched_namespaces()
     # The only cluster-wide binding is the framework's (CRD discovery, namespace listing).
     cluster_bindings = by_kind(docs, "ClusterRoleBinding")
     assert [b["roleRef"]["name"] for b in cluster_bindings] == ["rawmm-operator-cluster"]
-    framework = next(r for r in by_kind(docs, "ClusterRole") if r["metadata"]["name"] == "rawmm-operator-cluster")
+    framework = next(
+        r for r in by_kind(docs, "ClusterRole") if r["metadata"]["name"] == "rawmm-operator-cluster"
+    )
     assert {"namespaces"} <= {res for rule in framework["rules"] for res in rule["resources"]}
-

@@ -19,7 +19,9 @@ def expected() -> dict[Path, str]:
 
 
 def test_generated_files_are_up_to_date(expected: dict[Path, str]) -> None:
-    stale = [str(path.relative_to(generate.REPO)) for path, text in expected.items() if path.read_text() != text]
+    stale = [
+        str(path.relative_to(generate.REPO)) for path, text in expected.items() if path.read_text() != text
+    ]
     assert not stale, f"out of date, run `python manifests/generate.py`: {stale}"
 
 
@@ -36,7 +38,11 @@ def test_crd_in_manifests_and_in_install_yaml_is_the_pydantic_one() -> None:
 def test_install_yaml_is_the_default_rendering_in_apply_order() -> None:
     docs = [d for d in yaml.safe_load_all(generate.INSTALL_MANIFEST.read_text()) if d]
     rendered = [doc.body for doc in generate.render_chart()]
-    assert docs[0] == {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": generate.INSTALL_NAMESPACE}}
+    assert docs[0] == {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": generate.INSTALL_NAMESPACE},
+    }
     assert sorted(map(repr, docs[1:])) == sorted(map(repr, rendered))
     kinds = [d["kind"] for d in docs]
     assert kinds.index("CustomResourceDefinition") < kinds.index("Deployment")
@@ -52,7 +58,10 @@ def test_install_yaml_validates_strictly(kube_version: str) -> None:
 
 
 def test_check_mode_reports_a_stale_file_and_write_mode_fixes_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], expected: dict[Path, str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    expected: dict[Path, str],
 ) -> None:
     # The generator writes into tmp_path here, never into the repository.
     wanted_install = expected[generate.INSTALL_MANIFEST]
@@ -80,5 +89,7 @@ def test_a_template_action_in_the_crd_text_renders_literally(tmp_path: Path) -> 
     chart_dir = tmp_path / "rawmm"
     shutil.copytree(generate.CHART_DIR, chart_dir)
     (chart_dir / generate.CRD_TEMPLATE_IN_CHART).write_text(generate.crd_template_text(crd))
-    (rendered,) = [d.body for d in generate.render_chart(chart_dir=chart_dir) if d.kind == "CustomResourceDefinition"]
+    (rendered,) = [
+        d.body for d in generate.render_chart(chart_dir=chart_dir) if d.kind == "CustomResourceDefinition"
+    ]
     assert rendered["spec"] == {"description": "use {{ braces }} freely"}

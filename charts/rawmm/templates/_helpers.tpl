@@ -44,16 +44,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
-{{/* An image reference; the tag defaults to the chart's appVersion (the rawmm release). */}}
-{{- define "rawmm.image" -}}
-{{- $image := index . 0 }}
-{{- $root := index . 1 }}
-{{- printf "%s:%s" $image.repository (default $root.Chart.AppVersion $image.tag) }}
-{{- end }}
-
 {{/*
-The operator's rules on RLRuns and their children: exactly the verbs its handlers use (kopf watches and
-patches RLRuns and their status, posts events; the reconciler reads, creates and patches each child kind).
+The operator's rules on RLRuns and their children: exactly the requests its handlers make (checked against
+the operator running on an API emulator in tests/charts/test_chart_rbac.py). kopf lists, watches and patches
+RLRuns (finalizer, bookkeeping annotations) and posts events; the reconciler reads each child, creates or
+patches it, and writes the RLRun's status; kopf watches the StatefulSets, Jobs and PVCs a run owns.
 */}}
 {{- define "rawmm.operatorRules" -}}
 - apiGroups: [rawmm.dev]
@@ -61,15 +56,23 @@ patches RLRuns and their status, posts events; the reconciler reads, creates and
   verbs: [get, list, watch, patch]
 - apiGroups: [rawmm.dev]
   resources: [rlruns/status]
-  verbs: [get, patch]
+  verbs: [patch]
+# Children carry ownerReferences with blockOwnerDeletion, which clusters with the
+# OwnerReferencesPermissionEnforcement admission plugin allow only to whom may update the owner's finalizers.
+- apiGroups: [rawmm.dev]
+  resources: [rlruns/finalizers]
+  verbs: [update]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
 - apiGroups: [""]
-  resources: [persistentvolumeclaims, configmaps, services]
+  resources: [persistentvolumeclaims]
   verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [configmaps, services]
+  verbs: [get, create, patch]
 - apiGroups: [apps]
-  resources: [deployments]
+  resources: [statefulsets]
   verbs: [get, list, watch, create, patch]
 - apiGroups: [batch]
   resources: [jobs]
@@ -81,7 +84,7 @@ patches RLRuns and their status, posts events; the reconciler reads, creates and
 {{- end }}
 {{- end }}
 
-{{/* Matches the scrape targets of engine pods (labels the operator's PodMonitors put on every target). */}}
+{{/* The scrape targets of engine pods: prometheus-operator labels each target with its container, which the operator names "engine". */}}
 {{- define "rawmm.engineTargetSelector" -}}
-component="engine"
+container="engine"
 {{- end }}
