@@ -168,6 +168,10 @@ class Cluster:
             return None
         return copy.deepcopy(self.emulator.objects[key].raw)
 
+    def requests(self, method: str) -> list[kmock.Request]:
+        """Every request served so far with this HTTP method."""
+        return [request for request in self.emulator if request.method == method]
+
     def objects(self, resource: str, namespace: str | None = None) -> list[dict[str, Any]]:
         wanted = kmock.resource(resource)
         return [
