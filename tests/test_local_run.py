@@ -10,6 +10,7 @@ import socket
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -255,3 +256,126 @@ def _interrupt_after_first_step(run: LocalRun) -> None:
     while not run.state.trainer_steps and not event.wait(0.02):
         pass
     _thread.interrupt_main()
+
+
+# --- end to end on the tiny model (real engine, orchestrator and trainer processes) ---------------------
+
+ENVS_DIR = Path(__file__).parent / "rl" / "envs"
+
+
+def e2e_config(model: Path, **overrides) -> RunConfig:
+    data = yaml.safe_load((Path(__file__).parents[1] / "examples" / "local-tiny.yaml").read_text())
+    data["model"]["path"] = str(model)
+    data["inference"]["base_port"] = free_port()
+    for section, values in overrides.items():
+        data[section] = {**data.get(section, {}), **values}
+    return RunConfig.model_validate(data)
+
+
+def assert_all_stopped(run: LocalRun) -> None:
+    for child in run.children:
+        assert child.pid is not None and not pid_alive(child.pid), f"{child.name} is still running"
+
+
+@pytest.mark.slow
+def test_two_step_run_matches_its_metrics_and_ends_on_the_last_weights(tmp_path, tiny_qwen2_vl):
+    import httpx
+
+    from rawmm.run.scrape import health_version, scrape
+
+    live: dict = {}
+
+    def check_live_endpoints(run: LocalRun) -> None:
+        with httpx.Client(timeout=5) as http:
+            (url,) = run.plan.config.inference.urls
+            live["metrics"], live["version"] = scrape(http, f"{url}/metrics"), health_version(http, url)
+
+    plan = plan_local_run(e2e_config(tiny_qwen2_vl), output_dir=tmp_path)
+    run = LocalRun(plan, on_finished=check_live_endpoints)
+    summary = run.run()
+    assert_all_stopped(run)
+
+    assert summary["status"] == "completed" and summary["steps_completed"] == 2
+    engine = live["metrics"]
+    assert summary["cache_hits"] == engine.total("rawmm_materialize_cache_hits_total") > 0
+    assert summary["cache_misses"] == engine.total("rawmm_materialize_cache_misses_total") > 0
+    assert summary["invalid_mm_image_refs"] == engine.total("rawmm_invalid_mm_image_ref_total") == 0
+    checkpoints = [Path(p) for p in summary["checkpoints"]]
+    assert [p.name for p in checkpoints] == ["step_1", "step_2"]
+    assert all(any(p.glob("*.safetensors")) for p in checkpoints)
+    # The orchestrator had every replica load each new checkpoint, the last one included.
+    (version,) = summary["engine_weights_version"].values()
+    assert version == live["version"] == engine.value("rawmm_engine_weights_version") == 2
+    assert len(summary["loss"]) == 2 and all(abs(loss) < float("inf") for loss in summary["loss"])
+    assert len(summary["reward_mean"]) == 2
+    trainer_lines = [
+        json.loads(line) for line in run.trainer.log_path.read_text().splitlines() if line.startswith("{")
+    ]
+    assert summary["loss"] == [line["loss"] for line in trainer_lines]
+    assert (
+        summary["images_materialized_trainer"]
+        == sum(line["images_materialized"] for line in trainer_lines)
+        > 0
+    )
+    # Every request re-sends all earlier images: the engine saw far more refs than it materialized.
+    sent = sum(step["orchestrator"]["images_sent"] for step in summary["per_step"])
+    assert summary["cache_hits"] + summary["cache_misses"] == sent
+
+
+@pytest.mark.slow
+def test_engine_killed_mid_run_stops_the_run_with_a_clear_error(tmp_path, tiny_qwen2_vl):
+    plan = plan_local_run(e2e_config(tiny_qwen2_vl), output_dir=tmp_path)
+    run = LocalRun(plan)
+
+    def kill_engine_after_the_first_batch() -> None:
+        first_batch = plan.config.rollouts_dir / "step_1.msgpack"
+        while not first_batch.exists() and run.engines[0].poll() is None and not threading.Event().wait(0.05):
+            pass
+        os.killpg(run.engines[0].pid, 9)
+
+    killer = threading.Thread(target=kill_engine_after_the_first_batch)
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(LocalRunFailed, match="engine-0 was killed by signal 9"):
+        run.run()
+    killer.join()
+    assert time.monotonic() - started < 240
+    assert_all_stopped(run)
+    assert json.loads(plan.summary_path.read_text())["status"] == "failed"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["zero_loss", "error"])
+def test_image_deleted_before_training(tmp_path, tiny_qwen2_vl, monkeypatch, policy):
+    from rawmm.rl.orchestrator.loop import episode_seed
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ENVS_DIR), os.environ.get("PYTHONPATH", "")]))
+    shared = tmp_path / "shared"
+    config = e2e_config(
+        tiny_qwen2_vl,
+        orchestrator={
+            "environment": {
+                "name": "vanishing:VanishingShapes",
+                "args": {"offload_dir": str(shared / "images"), "victim_seed": episode_seed(0, 1, 1)},
+            },
+            "prompts_per_step": 2,
+            "rollouts_per_prompt": 1,
+            "max_tokens": 4,
+        },
+        trainer={"steps": 1, "missing_image_policy": policy},
+    )
+    plan = plan_local_run(config, output_dir=tmp_path)
+    assert plan.config.shared_dir == shared
+    run = LocalRun(plan)
+    if policy == "zero_loss":
+        summary = run.run()
+        assert summary["status"] == "completed"
+        assert summary["missing_images_trainer"] == 1 and summary["invalid_mm_image_refs"] == 0
+        assert summary["images_materialized_trainer"] == 1  # the other group's image trained normally
+        assert all(abs(loss) < float("inf") for loss in summary["loss"])
+    else:
+        with pytest.raises(
+            LocalRunFailed, match=r"(?s)trainer exited with code 2.*missing_image_policy=error.*file://"
+        ):
+            run.run()
+    assert_all_stopped(run)

@@ -15,9 +15,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine-down-timeout",
         type=float,
-        default=300.0,
+        default=600.0,
         metavar="SECONDS",
-        help="how long to wait for an engine replica when none is up before failing (default 300)",
+        help="how long to wait for engine replicas to come up (at start, or when all are down) before "
+        "failing (default 600)",
     )
     parser.add_argument(
         "--metrics-host",

@@ -123,3 +123,33 @@ async def test_load_weights_reaches_every_live_replica(fake_engines, pool_factor
 async def _until(condition) -> None:
     while not condition():
         await asyncio.sleep(0.01)
+
+
+async def test_wait_ready_waits_for_a_replica_that_is_still_starting(fake_engines, pool_factory):
+    make, _ = pool_factory
+    engine = await fake_engines()
+    await engine.stop()  # not listening yet: still loading its model
+    pool = make([engine.url], down_timeout_s=30, probe_interval_s=0.02)
+    waiting = asyncio.create_task(pool.wait_ready())
+    await engine.start()
+    await asyncio.wait_for(waiting, timeout=10)
+    assert pool.up == [engine.url]
+
+
+async def test_wait_ready_goes_on_with_the_replicas_that_came_up(fake_engines, pool_factory):
+    make, metrics = pool_factory
+    up, never = await fake_engines(), await fake_engines()
+    await never.stop()
+    pool = make([up.url, never.url], down_timeout_s=0.2, probe_interval_s=0.02)
+    await asyncio.wait_for(pool.wait_ready(), timeout=10)
+    assert pool.up == [up.url]
+    assert metrics.registry.get_sample_value("rawmm_engine_replicas_up") == 1
+
+
+async def test_wait_ready_fails_clearly_when_no_replica_comes_up(fake_engines, pool_factory):
+    make, _ = pool_factory
+    engine = await fake_engines()
+    await engine.stop()
+    pool = make([engine.url], down_timeout_s=0.2, probe_interval_s=0.02)
+    with pytest.raises(NoReplicaAvailable, match="no engine replica became healthy within 0s"):
+        await asyncio.wait_for(pool.wait_ready(), timeout=10)

@@ -79,6 +79,7 @@ class Orchestrator:
         self, steps: int, *, on_step: Callable[[StepReport], None] | None = None
     ) -> list[StepReport]:
         """Write batches for steps after the last one on disk up to `steps`, then sync the final weights."""
+        await self.pool.wait_ready()
         done = written_steps(self.config.rollouts_dir)
         first = (done[-1] + 1) if done else 1
         if first > 1:

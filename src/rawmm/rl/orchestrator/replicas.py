@@ -67,6 +67,31 @@ class ReplicaPool:
     def up(self) -> list[str]:
         return [url for url in self.urls if url not in self._down]
 
+    async def wait_ready(self) -> None:
+        """Wait for every replica to answer `/health` (engines may still be loading), at most
+        `down_timeout_s`; then go on with those that are up, the others marked down. None up is
+        `NoReplicaAvailable`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._down_timeout_s
+        pending = set(self.urls)
+        while True:
+            for url in sorted(pending):
+                try:
+                    self.weights_versions[url] = await self._client.health(url)
+                except (httpx.HTTPError, ValueError, KeyError):
+                    continue
+                pending.discard(url)
+            if not pending or loop.time() >= deadline:
+                break
+            log.info("waiting for engine replicas to become healthy: %s", ", ".join(sorted(pending)))
+            await asyncio.sleep(self._probe_interval_s)
+        if len(pending) == len(self.urls):
+            raise NoReplicaAvailable(
+                f"no engine replica became healthy within {self._down_timeout_s:.0f}s (replicas: {', '.join(self.urls)})"
+            )
+        for url in sorted(pending):
+            self._mark_down(url, "not healthy at start")
+
     async def generate(
         self, key: str, prompt_token_ids: list[int], features: dict[str, Any] | None, sampling: dict[str, Any]
     ) -> tuple[str, Generation]:
