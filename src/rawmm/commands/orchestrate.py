@@ -5,8 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from rawmm.cli import CliError
+
+if TYPE_CHECKING:
+    from rawmm.config import RunConfig
+    from rawmm.rl.envs import Environment
+    from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
+    from rawmm.rl.orchestrator.rollout import PromptRenderer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,12 +74,20 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(_orchestrate(config, steps, environment, renderer, metrics, args.engine_down_timeout))
 
 
-async def _orchestrate(config, steps, environment, renderer, metrics, down_timeout_s: float) -> int:  # noqa: ANN001
+async def _orchestrate(
+    config: RunConfig,
+    steps: int,
+    environment: Environment,
+    renderer: PromptRenderer,
+    metrics: OrchestratorMetrics,
+    down_timeout_s: float,
+) -> int:
     import httpx
 
     from rawmm.rl.orchestrator.engine_client import EngineClient
     from rawmm.rl.orchestrator.loop import AllRolloutsDropped, Orchestrator, print_report
     from rawmm.rl.orchestrator.replicas import NoReplicaAvailable, ReplicaPool
+    from rawmm.rl.samples import SampleError
 
     timeout = httpx.Timeout(600.0, connect=5.0)  # a CPU engine under a full step of rollouts is slow
     async with httpx.AsyncClient(timeout=timeout) as http:
@@ -84,7 +99,7 @@ async def _orchestrate(config, steps, environment, renderer, metrics, down_timeo
         )
         try:
             await orchestrator.run(steps, on_step=print_report)
-        except (NoReplicaAvailable, AllRolloutsDropped) as exc:
+        except (NoReplicaAvailable, AllRolloutsDropped, SampleError) as exc:
             raise CliError(str(exc)) from None
         finally:
             await pool.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,11 @@ from rawmm.rl.samples import Sample, build_mm_refs, validate_image_spans
 
 
 class PromptRenderer:
-    """The run model's tokenizer and image layout, loaded once; renders conversations to prompts."""
+    """The run model's tokenizer and image layout, loaded once; renders conversations to prompts.
+
+    Safe to call from several threads: a fast tokenizer must not be used concurrently (it mutates
+    its truncation/padding state per call), so tokenizer work is serialized.
+    """
 
     def __init__(self, model_path: str | Path, preset: str, backend: str, store: OffloadStore) -> None:
         from transformers import AutoTokenizer
@@ -33,22 +38,25 @@ class PromptRenderer:
         self.config = self.family.config_from_pretrained(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self.backend, self.store = backend, store
+        self._tokenizer_lock = threading.Lock()
 
     def offload(self, messages: list[Message]) -> list[Message]:
         return offload_message_images(messages, self.store)
 
     def render(self, messages: list[Message]) -> Any:
-        return render_chat(
-            messages,
-            tokenizer=self.tokenizer,
-            family=self.family,
-            config=self.config,
-            store=self.store,
-            backend=self.backend,
-        )
+        with self._tokenizer_lock:
+            return render_chat(
+                messages,
+                tokenizer=self.tokenizer,
+                family=self.family,
+                config=self.config,
+                store=self.store,
+                backend=self.backend,
+            )
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
 @dataclass(frozen=True)
@@ -110,7 +118,7 @@ async def play(
             str(rollout_id), list(prompt.token_ids), features, request_sampling
         )
         rollout.turns.append(Turn(prompt, generation, replica))
-        reply = renderer.decode(generation.token_ids)
+        reply = await asyncio.to_thread(renderer.decode, generation.token_ids)
         result = episode.step(reply)
         rollout.reward += result.reward
         if result.done or turn + 1 == max_turns:
