@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -208,7 +210,7 @@ class LocalRun:
             if self.on_finished is not None:
                 self.on_finished(self)
         finally:
-            stop_all(self.children)
+            self._stop_children()
             summary = self.state.summary(
                 status=status,
                 error=error,
@@ -218,6 +220,17 @@ class LocalRun:
                 wall_seconds=time.monotonic() - self._started,
             )
             self.plan.summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+
+    def _stop_children(self) -> None:
+        # A second Ctrl-C (or SIGTERM) while stopping must not cut the shutdown short and leave orphans.
+        signals = (signal.SIGINT, signal.SIGTERM)
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = [signal.signal(s, signal.SIG_IGN) for s in signals] if in_main else []
+        try:
+            stop_all(self.children)
+        finally:
+            for sig, handler in zip(signals, previous, strict=False):
+                signal.signal(sig, handler)
 
     def _exit_message(self, child: ChildProcess, context: str = "") -> str:
         code = child.poll()
