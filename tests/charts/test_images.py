@@ -1,0 +1,85 @@
+"""The Dockerfiles under images/: pinned base images, non-root users matching what the operator's pods
+run as, the documented entrypoints, and only dependencies the project declares."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+
+import pytest
+from chart_helpers import REPO
+
+IMAGES = {path.parent.name: path.read_text() for path in sorted((REPO / "images").glob("*/Dockerfile"))}
+
+
+def instructions(dockerfile: str, keyword: str) -> list[str]:
+    """Arguments of every `keyword` instruction (continuation lines joined)."""
+    joined = re.sub(r"\\\n\s*", " ", dockerfile)
+    return [line.split(None, 1)[1] for line in joined.splitlines() if line.upper().startswith(keyword + " ")]
+
+
+def test_the_three_images_exist() -> None:
+    assert set(IMAGES) == {"operator", "inference", "trainer"}
+
+
+@pytest.mark.parametrize("name", sorted(IMAGES))
+def test_base_images_are_pinned_to_a_version_tag(name: str) -> None:
+    for base in instructions(IMAGES[name], "FROM"):
+        image = base.split()[0]
+        repository, _, tag = image.rpartition(":")
+        assert repository and tag, f"{image}: no tag"
+        assert tag != "latest" and re.search(r"\d+\.\d+", tag), f"{image}: not a version tag"
+
+
+@pytest.mark.parametrize("name", sorted(IMAGES))
+def test_images_run_as_the_non_root_user_the_pods_use(name: str) -> None:
+    from rawmm_operator.builders import POD_USER
+
+    users = instructions(IMAGES[name], "USER")
+    assert users, "no USER: the image would run as root"
+    assert users[-1] == f"{POD_USER}:{POD_USER}"
+    # The chart's operator pod runs as the same user.
+    deployment = (REPO / "charts" / "rawmm" / "templates" / "deployment.yaml").read_text()
+    assert f"runAsUser: {POD_USER}" in deployment
+
+
+def test_entrypoints_are_the_rawmm_commands_the_images_are_for() -> None:
+    assert instructions(IMAGES["inference"], "ENTRYPOINT")[-1].startswith(
+        '["rawmm", "serve", "--engine", "vllm"'
+    )
+    assert instructions(IMAGES["operator"], "CMD")[-1] == '["operator", "--all-namespaces"]'
+    for name in IMAGES:
+        assert instructions(IMAGES[name], "ENTRYPOINT")[-1].startswith('["rawmm"')
+    assert "torchrun" in IMAGES["trainer"]
+
+
+def test_operator_image_installs_only_declared_dependencies() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = {
+        re.split(r"[<>=!~\[ ]", requirement, maxsplit=1)[0].lower()
+        for requirement in [*project["dependencies"], *project["optional-dependencies"]["operator"]]
+    }
+    (install,) = [run for run in instructions(IMAGES["operator"], "RUN") if "pip install" in run]
+    packages = {match.lower() for match in re.findall(r'"([A-Za-z0-9_.-]+)[<>=]', install)}
+    assert packages and packages <= declared, packages - declared
+    assert {"kopf", "kubernetes"} <= packages
+
+
+def test_chart_app_version_is_the_rawmm_version_the_images_are_tagged_with() -> None:
+    import yaml
+
+    import rawmm
+
+    chart = yaml.safe_load((REPO / "charts" / "rawmm" / "Chart.yaml").read_text())
+    assert chart["appVersion"] == rawmm.__version__
+    for name, dockerfile in IMAGES.items():
+        assert f"ghcr.io/rawmm/rawmm-{name}:{rawmm.__version__}" in dockerfile
+
+
+def test_dockerfiles_copy_only_what_exists() -> None:
+    for name, dockerfile in IMAGES.items():
+        for copy in instructions(dockerfile, "COPY"):
+            *sources, _ = copy.split()
+            for source in sources:
+                if not source.startswith("--"):
+                    assert (REPO / source).exists() or source == "README.md", f"{name}: COPY {source}"
