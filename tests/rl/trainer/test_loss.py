@@ -1,0 +1,44 @@
+import math
+
+import pytest
+import torch
+
+from rawmm.rl.trainer.loss import policy_gradient_loss
+
+
+def loss_of(ratios, advantages, mask, step_tokens=None):  # noqa: ANN001, ANN201
+    new = torch.tensor([math.log(r) for r in ratios], requires_grad=True)
+    parts = policy_gradient_loss(
+        new,
+        torch.zeros(len(ratios)),
+        torch.tensor(advantages),
+        torch.tensor(mask),
+        clip_low=0.2,
+        clip_high=0.28,
+        step_tokens=step_tokens if step_tokens is not None else sum(mask),
+    )
+    parts.loss.backward()
+    return parts, new.grad
+
+
+def test_ratio_is_clipped_only_in_the_direction_of_the_advantage():
+    # ratio 1.5: A>0 is capped at 1.28 (no gradient), A<0 keeps the unclipped 1.5.
+    # ratio 0.5: A>0 keeps 0.5, A<0 is capped at 0.8 (no gradient).
+    parts, grad = loss_of([1.5, 1.5, 0.5, 0.5], [1.0, -1.0, 1.0, -1.0], [True] * 4)
+    assert parts.loss.item() == pytest.approx((-1.28 + 1.5 - 0.5 + 0.8) / 4)
+    # d(-r*A)/d(log r) = -r*A, divided by the 4 step tokens.
+    assert grad.tolist() == pytest.approx([0.0, 1.5 / 4, -0.5 / 4, 0.0])
+    assert (parts.clipped_tokens, parts.tokens) == (2, 4)
+
+
+def test_masked_tokens_contribute_nothing_and_step_tokens_normalize():
+    parts, grad = loss_of([2.0, 1.0, 3.0], [5.0, 1.0, -7.0], [False, True, False], step_tokens=4)
+    assert parts.loss.item() == pytest.approx(-1.0 / 4)
+    assert grad.tolist() == pytest.approx([0.0, -1.0 / 4, 0.0])
+    assert (parts.clipped_tokens, parts.tokens) == (0, 1)
+
+
+def test_on_policy_loss_is_the_negative_mean_advantage():
+    parts, grad = loss_of([1.0, 1.0, 1.0], [1.0, 2.0, -0.5], [True] * 3)
+    assert parts.loss.item() == pytest.approx(-(1.0 + 2.0 - 0.5) / 3)
+    assert grad.tolist() == pytest.approx([-1 / 3, -2 / 3, 0.5 / 3])
