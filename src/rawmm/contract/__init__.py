@@ -9,6 +9,7 @@ from rawmm.contract.families import (
     KimiK25Config,
     Layout,
     QwenVLConfig,
+    family_of_checkpoint,
     get_family,
     resolve_preset,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "RenderedPrompt",
     "StoredImage",
     "encode_ref",
+    "family_of_checkpoint",
     "get_family",
     "offload_message_images",
     "parse_features",

@@ -99,7 +99,9 @@ def _identify(data: bytes, source: str) -> tuple[str, int, int]:
     try:
         with Image.open(io.BytesIO(data)) as image:
             return _EXT_BY_FORMAT.get(image.format or "", "img"), image.width, image.height
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as exc:
+    except UnidentifiedImageError:
+        raise ImageIngestError(f"{source} is not a readable image: unknown image format") from None
+    except (Image.DecompressionBombError, OSError, ValueError) as exc:
         raise ImageIngestError(f"{source} is not a readable image: {exc}") from None
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from rawmm.contract.errors import InvalidImageRef
@@ -32,6 +34,29 @@ def resolve_preset(preset: str) -> tuple[Family[Any], Any]:
     return family, family.preset(preset)
 
 
+# config.json model_type -> family, for checkpoints named by directory rather than preset.
+MODEL_TYPES: dict[str, str] = {
+    "qwen2_vl": "qwen_vl",
+    "qwen2_5_vl": "qwen_vl",
+    "qwen3_vl": "qwen_vl",
+    "qwen3_vl_moe": "qwen_vl",
+    "kimi_k25": "kimi_k25",
+}
+
+
+def family_of_checkpoint(path: str | Path) -> Family[Any]:
+    """The family of a local checkpoint directory, from its ``config.json`` ``model_type``."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json; is it a checkpoint directory?")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(
+            f"{path}: model_type {model_type!r} is not a supported family; known: {sorted(MODEL_TYPES)}"
+        )
+    return FAMILIES[MODEL_TYPES[model_type]]
+
+
 def vllm_modality_of(family_name: str) -> str | None:
     """The engine modality override of a known family, None for unknown families or plain images."""
     family = FAMILIES.get(family_name)
@@ -47,6 +72,7 @@ __all__ = [
     "KimiK25Family",
     "Layout",
     "check_backend",
+    "family_of_checkpoint",
     "QwenVLConfig",
     "QwenVLFamily",
     "get_family",

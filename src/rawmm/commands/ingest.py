@@ -1,0 +1,112 @@
+"""``rawmm ingest``: offload image files or folders into the store and print one JSON line per image."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rawmm.cli import CliError
+
+IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff"})
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    """``--preset`` / ``--model`` (mutually exclusive) and ``--backend``, shared with ``rawmm layout``."""
+    group = parser.add_mutually_exclusive_group(required=required)
+    group.add_argument("--preset", help="model preset: qwen2_vl, qwen2_5_vl, qwen3_vl or kimi_k25")
+    group.add_argument(
+        "--model", type=Path, metavar="DIR", help="checkpoint directory (its preprocessor config)"
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("pil", "torchvision"),
+        default="pil",
+        help="image-processor backend (fingerprint)",
+    )
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[Any, Any] | None:
+    """(family, config) from ``--preset`` or ``--model``; None when neither was given."""
+    from rawmm.contract import family_of_checkpoint, resolve_preset
+
+    try:
+        if args.preset is not None:
+            return resolve_preset(args.preset)
+        if args.model is not None:
+            family = family_of_checkpoint(args.model)
+            return family, family.config_from_pretrained(args.model)
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    return None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "paths", nargs="+", type=Path, metavar="PATH", help="image files or folders (recursive)"
+    )
+    parser.add_argument("--offload-root", type=Path, required=True, metavar="DIR", help="offload store root")
+    add_model_arguments(parser, required=False)
+
+
+def image_files(paths: list[Path]) -> Iterator[Path]:
+    """Named files as given; folders walked recursively (sorted) for files with image suffixes."""
+    for path in paths:
+        if path.is_dir():
+            yield from (
+                p for p in sorted(path.rglob("*")) if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+            )
+        elif path.is_file():
+            yield path
+        else:
+            raise CliError(f"{path}: no such file or directory")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from rawmm.contract import ImageIngestError, OffloadStore, RawImageDescriptor, encode_ref
+
+    model = resolve_model(args)
+    files = list(image_files(args.paths))
+    if not files:
+        raise CliError("no image files found")
+    store = OffloadStore(args.offload_root)
+    fingerprint = model[0].fingerprint(model[1], args.backend) if model else None
+    columns = (TextColumn("ingest"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    console = Console(stderr=True)
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
+        for file in progress.track(files, description="ingest"):
+            try:
+                stored = store.put(file)
+            except ImageIngestError as exc:
+                raise CliError(str(exc)) from None
+            line: dict[str, Any] = {
+                "source": str(file),
+                "uri": stored.uri,
+                "sha256": stored.sha256,
+                "mm_hash": stored.mm_hash,
+                "width": stored.width,
+                "height": stored.height,
+            }
+            if model is not None:
+                family, config = model
+                try:
+                    layout = family.describe(width=stored.width, height=stored.height, config=config)
+                except ValueError as exc:
+                    raise CliError(f"{file}: {exc}") from None
+                descriptor = RawImageDescriptor(
+                    family=family.name,
+                    modality=family.modality,
+                    payload=family.payload(layout),
+                    raw_image_uri=stored.uri,
+                    fingerprint=fingerprint,
+                    vllm_modality=family.vllm_modality,
+                )
+                line["placeholder_tokens"] = layout.num_placeholder_tokens
+                line["ref"] = encode_ref(descriptor, stored.mm_hash)
+            print(json.dumps(line), flush=True)
+    return 0

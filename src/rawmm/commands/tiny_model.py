@@ -1,0 +1,36 @@
+"""``rawmm tiny-model``: write a tiny random-weight checkpoint (model, tokenizer, processor) to a folder."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rawmm.cli import CliError
+
+PRESETS = ("qwen2_vl", "qwen3_vl")  # rawmm.tiny.TINY_PRESETS, without importing transformers for --help
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", required=True, choices=PRESETS)
+    parser.add_argument(
+        "--out", required=True, type=Path, metavar="DIR", help="checkpoint directory to write"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed, same bytes)")
+    parser.add_argument(
+        "--max-pixels",
+        type=int,
+        metavar="N",
+        help="image processor max_pixels (default: 256 placeholder tokens' worth, to keep demos fast)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from rawmm.tiny import build_tiny_model
+
+    try:
+        out = build_tiny_model(args.preset, args.out, seed=args.seed, max_pixels=args.max_pixels)
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    size = sum(path.stat().st_size for path in out.iterdir())
+    print(f"wrote tiny {args.preset} checkpoint to {out} ({size / 1e6:.2f} MB)")
+    return 0
