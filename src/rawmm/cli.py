@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ref": ("ref", "inspect a raw image ref"),
     "layout": ("layout", "placeholder layout of an image size for a model preset"),
     "tiny-model": ("tiny_model", "write a tiny random-weight checkpoint and tokenizer"),
+    "serve": ("serve", "serve a model over HTTP, materializing raw image refs (transformers on CPU, or vLLM)"),
     "orchestrate": ("orchestrate", "play rollouts against the engine replicas and write training batches"),
     "train": ("train", "train on the run's rollout batches, writing a checkpoint per step (torchrun for DP)"),
     "run": ("run", "run engines, orchestrator and trainer locally on one machine until the run is done"),
@@ -41,7 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Two passes: the first finds the command, the second lets its module add its own arguments.
     known, _ = parser.parse_known_args(argv[:1] if argv and not argv[0].startswith("-") else argv)
     module = importlib.import_module(f"rawmm.commands.{known._module}")
-    command_parser = argparse.ArgumentParser(prog=f"rawmm {known.command}", description=COMMANDS[known.command][1])
+    command_parser = argparse.ArgumentParser(
+        prog=f"rawmm {known.command}", description=COMMANDS[known.command][1]
+    )
     module.add_arguments(command_parser)
     args = command_parser.parse_args(argv[1:])
     try:
