@@ -204,6 +204,7 @@ def build_tiny_model(preset: str, out: Path, seed: int = 0, *, max_pixels: int |
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.utils import logging as hf_logging
 
     _, image = resolve_preset(preset)
     if max_pixels is None:
@@ -249,6 +250,8 @@ def build_tiny_model(preset: str, out: Path, seed: int = 0, *, max_pixels: int |
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    progress_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a "Writing model shards" bar for one 1 MB file is noise
     try:
         model.save_pretrained(staging)
         generation.save_pretrained(staging)
@@ -261,4 +264,7 @@ def build_tiny_model(preset: str, out: Path, seed: int = 0, *, max_pixels: int |
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        if progress_was_on:
+            hf_logging.enable_progress_bar()
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import io
 import os
@@ -18,7 +19,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import quote, unquote, urlsplit
 
 from PIL import Image, UnidentifiedImageError
@@ -27,6 +28,7 @@ from rawmm.contract.errors import ImageIngestError, InvalidImageRef
 from rawmm.contract.refs import check_mm_hash
 
 MM_HASH_CHARS = 32
+_FILE_SCHEME = "file://"
 _EXT_BY_FORMAT = {"PNG": "png", "JPEG": "jpg", "WEBP": "webp", "GIF": "gif"}
 _STORED_NAME_RE = re.compile(r"([0-9a-f]{64})\.(png|jpg|webp|gif|img)")
 
@@ -48,7 +50,7 @@ class StoredImage:
 
 def path_to_uri(path: Path) -> str:
     """``file://`` URI of an absolute path (empty netloc), percent-quoting what needs it."""
-    return "file://" + quote(str(path))
+    return _FILE_SCHEME + quote(str(path))
 
 
 def resolve_uri(uri: Any, roots: Sequence[Path]) -> Path:
@@ -120,7 +122,7 @@ def _decode_data_url(url: str) -> bytes:
     return unquote(body).encode("latin-1")
 
 
-def _touch(path: Path) -> bool:
+def _touch(path: str | Path) -> bool:
     """Mark a stored file as just used; False if it does not exist."""
     try:
         os.utime(path)
@@ -137,6 +139,7 @@ class OffloadStore:
     def __init__(self, root: str | Path) -> None:
         Path(root).mkdir(parents=True, exist_ok=True)
         self.root = Path(root).resolve()
+        self._root_str = str(self.root)
 
     def put(self, image: Any, media_type: str | None = None) -> StoredImage:
         """Offload ``image``: bytes, a PIL image, a ``data:`` URL, a local path or a ``file://`` URI under the root.
@@ -212,19 +215,31 @@ class OffloadStore:
     def _put_bytes(self, data: bytes, source: str) -> StoredImage:
         ext, width, height = _identify(data, source)
         sha = hashlib.sha256(data).hexdigest()
-        path = self.root / sha[:2] / f"{sha}.{ext}"
+        # Plain strings on this path: it runs once per image of every rollout turn.
+        directory = f"{self._root_str}/{sha[:2]}"
+        path = f"{directory}/{sha}.{ext}"
         if not _touch(path):
-            self._write_atomic(path, data)
-        return StoredImage(uri=path_to_uri(path), sha256=sha, path=path, width=width, height=height)
+            _write_atomic(directory, path, data)
+        return StoredImage(
+            uri=_FILE_SCHEME + quote(path), sha256=sha, path=Path(path), width=width, height=height
+        )
 
-    @staticmethod
-    def _write_atomic(path: Path, data: bytes) -> None:
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
-        try:
-            with open(tmp, "xb") as handle:
-                handle.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+
+def _open_new(tmp: str, directory: str) -> BinaryIO:
+    try:
+        return open(tmp, "xb")  # noqa: SIM115 - the caller closes it
+    except FileNotFoundError:  # first image of this fan-out directory
+        os.makedirs(directory, exist_ok=True)
+        return open(tmp, "xb")  # noqa: SIM115
+
+
+def _write_atomic(directory: str, path: str, data: bytes) -> None:
+    tmp = f"{directory}/.{path[len(directory) + 1 :]}.{secrets.token_hex(8)}.tmp"
+    try:
+        with _open_new(tmp, directory) as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
