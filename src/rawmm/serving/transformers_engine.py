@@ -1,0 +1,126 @@
+"""A CPU engine on transformers' Qwen2-VL / Qwen3-VL classes, consuming materialized engine items.
+
+Generation runs on one dedicated thread, one request at a time (correctness first): a prefill with the
+prompt and its images' ``pixel_values`` / ``image_grid_thw`` / ``mm_token_type_ids`` (Qwen computes its
+own M-RoPE positions from them), then token-by-token decoding on the KV cache. Weight updates run on the
+same thread between requests, behind the ``WeightsGate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rawmm.materialize import LoadedProcessor, collate
+from rawmm.serving.engine import Engine, Generation, ImageInput, InvalidRequest
+from rawmm.serving.sampling import sample_token
+from rawmm.serving.schemas import Sampling
+
+log = logging.getLogger(__name__)
+
+
+def _load_model(path: str) -> Any:
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+def _eos_ids(model: Any) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = model.config.get_text_config().eos_token_id
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+class TransformersEngine(Engine):
+    def __init__(self, model_path: str, processor: LoadedProcessor) -> None:
+        super().__init__()
+        if processor.family.name != "qwen_vl":
+            raise ValueError(f"the transformers engine serves Qwen-VL models, not {processor.family.name}")
+        self.processor = processor
+        self.model = _load_model(model_path)
+        text_config = self.model.config.get_text_config()
+        self.placeholder_token_id = int(self.model.config.image_token_id)
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.max_model_len = int(text_config.max_position_embeddings)
+        self.eos_token_ids = _eos_ids(self.model)
+        # One thread: the model and its cached M-RoPE deltas belong to one request at a time.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rawmm-engine")
+
+    async def generate(
+        self, token_ids: list[int], images: Sequence[ImageInput], sampling: Sampling
+    ) -> Generation:
+        async with self.gate.generating() as version:
+            loop = asyncio.get_running_loop()
+            token_ids_out, logprobs, finish = await loop.run_in_executor(
+                self._thread, self._generate_sync, token_ids, list(images), sampling
+            )
+        return Generation(token_ids_out, logprobs, finish, version)
+
+    @torch.inference_mode()
+    def _generate_sync(
+        self, token_ids: list[int], images: list[ImageInput], sampling: Sampling
+    ) -> tuple[list[int], list[float], str]:
+        model = self.model
+        model.model.rope_deltas = None  # cached per request by Qwen; never let one leak into the next
+        inputs: dict[str, Any] = {"input_ids": torch.tensor([token_ids])}
+        if images:
+            inputs.update(collate([image.item for image in images]))
+            token_types = torch.zeros(1, len(token_ids), dtype=torch.int32)
+            for image in images:
+                token_types[0, image.feature.offset : image.feature.offset + image.feature.length] = 1
+            inputs["mm_token_type_ids"] = token_types
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+        generator = torch.Generator().manual_seed(seed)
+        out = model(**inputs, use_cache=True, logits_to_keep=1)
+        generated: list[int] = []
+        logprobs: list[float] = []
+        for _ in range(sampling.max_tokens):
+            token, logprob = sample_token(
+                out.logits[0, -1], temperature=sampling.temperature, top_p=sampling.top_p, generator=generator
+            )
+            generated.append(token)
+            logprobs.append(logprob)
+            if token in self.eos_token_ids:
+                return generated, logprobs, "stop"
+            out = model(
+                input_ids=torch.tensor([[token]]),
+                past_key_values=out.past_key_values,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return generated, logprobs, "length"
+
+    async def load_weights(self, path: str) -> int:
+        if not Path(path).is_dir():
+            raise InvalidRequest(f"weights path {path!r} is not a checkpoint directory")
+        try:
+            # Read (and convert) the checkpoint off the engine thread: generation goes on meanwhile.
+            fresh = await asyncio.to_thread(_load_model, path)
+        except (OSError, ValueError) as exc:
+            raise InvalidRequest(f"cannot load weights from {path!r}: {exc}") from None
+        new_state = fresh.state_dict()
+        # Same tensors and shapes, or the update is refused and the old weights stay whole.
+        current = self.model.state_dict()
+        misfit = sorted(
+            k
+            for k in current.keys() | new_state.keys()
+            if k not in current or k not in new_state or current[k].shape != new_state[k].shape
+        )
+        if misfit:
+            raise InvalidRequest(f"weights at {path!r} do not fit the served model: {misfit[:5]}")
+        async with self.gate.updating():
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._thread, self.model.load_state_dict, new_state)
+        return self.gate.version
+
+    async def close(self) -> None:
+        self._thread.shutdown(wait=True)
