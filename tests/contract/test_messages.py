@@ -16,6 +16,11 @@ def png(colour: str) -> bytes:
     return buffer.getvalue()
 
 
+class TypedTextPart(pydantic.BaseModel):
+    type: str = "text"
+    text: str
+
+
 class TypedImagePart(pydantic.BaseModel):
     type: str = "image_url"
     image_url: dict[str, str]
@@ -41,6 +46,7 @@ def test_every_image_part_shape_becomes_a_file_image_url(offload_store: OffloadS
     messages = [
         {"role": "system", "content": "plain text stays"},
         {"role": "user", "content": [{"type": "text", "text": "look:"}, *shapes]},
+        {"role": "user", "content": [TypedTextPart(text="typed")]},
     ]
     before = copy.deepcopy([messages[0], {**messages[1], "content": messages[1]["content"][:3]}])
     out = offload_message_images(messages, offload_store)
@@ -51,6 +57,7 @@ def test_every_image_part_shape_becomes_a_file_image_url(offload_store: OffloadS
     pil_uri = rewritten.pop(3)["image_url"]["url"]
     assert pil_uri.startswith(f"file://{offload_store.root}/")
     assert rewritten == [{"type": "image_url", "image_url": {"url": stored_uri}}] * (len(shapes) - 1)
+    assert out[2]["content"] == [{"type": "text", "text": "typed"}]
     assert [messages[0], {**messages[1], "content": messages[1]["content"][:3]}] == before  # input untouched
 
 

@@ -62,7 +62,7 @@ def offload_images(
                 if source is None:
                     if part.get("type", "text") != "text":
                         raise ImageIngestError(f"unsupported content part type {part.get('type')!r}")
-                    parts.append(raw_part)
+                    parts.append(part)  # typed parts become plain dicts, which chat templates index
                     continue
                 image = store.put(source)
             except (ImageIngestError, InvalidImageRef) as exc:

@@ -3,6 +3,8 @@
 The tokenizer's chat template renders one image marker per image part; each marker is then expanded
 to the family's placeholder tokens (Qwen: N x ``<|image_pad|>`` between vision start/end; Kimi: the
 single ``<|media_pad|>``). No image processor runs: the grid comes from width, height and the config.
+Sizes are those of the stored image as decoded, with no EXIF transpose — exactly what the
+materializers hand to the processor.
 """
 
 from __future__ import annotations
