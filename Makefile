@@ -38,7 +38,7 @@ test-fast: $(INSTALLED) $(PROMETHEUS)
 	$(PY) -m pytest -q -m 'not slow'
 
 demo: $(INSTALLED)
-	$(VENV)/bin/rawmm demo
+	$(VENV)/bin/rawmm run examples/local-tiny.yaml --output-dir runs/demo
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check src operator tests bench

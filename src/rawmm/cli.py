@@ -57,4 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under `python -m rawmm.cli` this module is `__main__`; commands raise the CliError of `rawmm.cli`,
+    # so dispatch through that module or its errors would surface as tracebacks.
+    from rawmm.cli import main as entry
+
+    sys.exit(entry())
