@@ -1,0 +1,113 @@
+"""RequestImages: a request's images materialize concurrently, through the cache, keyed per processor."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from rawmm.contract import (
+    FeatureImage,
+    InvalidImageRef,
+    OffloadStore,
+    RawImageDescriptor,
+    encode_ref,
+    parse_ref,
+)
+from rawmm.materialize import MaterializeCache, load_processor
+from rawmm.serving import images as images_module
+from rawmm.serving.images import RequestImages
+
+WAIT = 10.0
+
+
+def feature_images(store: OffloadStore, loaded, count: int) -> list[FeatureImage]:
+    """``count`` distinct images laid out back to back as a renderer would place them."""
+    out, offset = [], 5
+    for seed in range(count):
+        pixels = np.random.default_rng(seed).integers(0, 256, (40 + seed, 60, 3), dtype=np.uint8)
+        stored = store.put(Image.fromarray(pixels))
+        layout = loaded.family.describe(width=stored.width, height=stored.height, config=loaded.config)
+        descriptor = RawImageDescriptor(
+            family=loaded.family.name,
+            modality="image",
+            payload=loaded.family.payload(layout),
+            raw_image_uri=stored.uri,
+            fingerprint=loaded.fingerprint,
+        )
+        ref = parse_ref(encode_ref(descriptor, stored.mm_hash))
+        out.append(FeatureImage("image", ref, offset, layout.num_placeholder_tokens))
+        offset += layout.num_placeholder_tokens + 3
+    return out
+
+
+async def test_the_images_of_one_request_materialize_concurrently(
+    tiny_qwen2_vl: Path, offload_store: OffloadStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    count = 6
+    all_running = threading.Barrier(count, timeout=WAIT)  # breaks unless all six run at once
+    real = images_module.materialize_engine_item
+
+    def gated(*args, **kwargs):
+        all_running.wait()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(images_module, "materialize_engine_item", gated)
+    loaded = load_processor(tiny_qwen2_vl)
+    request_images = RequestImages(
+        loaded, roots=[offload_store.root], cache=MaterializeCache(0), max_pixels=10**8
+    )
+    images = feature_images(offload_store, loaded, count)
+    inputs = await request_images.materialize(images)
+    assert [i.feature for i in inputs] == images
+    assert [i.item.tensors["image_grid_thw"].tolist() for i in inputs] == [
+        image.ref.payload["image_grid_thw"][0] for image in images
+    ]
+
+
+async def test_each_request_gets_a_fresh_list_of_the_shared_items(
+    tiny_qwen2_vl: Path, offload_store: OffloadStore
+) -> None:
+    loaded = load_processor(tiny_qwen2_vl)
+    request_images = RequestImages(
+        loaded, roots=[offload_store.root], cache=MaterializeCache(10**9), max_pixels=10**8
+    )
+    images = feature_images(offload_store, loaded, 2)
+    first = await request_images.materialize(images)
+    second = await request_images.materialize(images)
+    assert first is not second
+    assert all(a.item is b.item for a, b in zip(first, second, strict=True))
+    assert request_images.cache.stats.misses == 2 and request_images.cache.stats.hits == 2
+
+
+async def test_processors_with_different_identities_never_share_an_entry(
+    tiny_qwen2_vl: Path, offload_store: OffloadStore
+) -> None:
+    cache = MaterializeCache(10**9)
+    pil, tv = load_processor(tiny_qwen2_vl, "pil"), load_processor(tiny_qwen2_vl, "torchvision")
+    images = feature_images(offload_store, pil, 1)
+    # No fingerprint: both processors accept the refs, so only the key keeps their items apart.
+    unfingerprinted = [replace(image, ref=replace(image.ref, fingerprint=None)) for image in images]
+    for loaded in (pil, tv):
+        await RequestImages(loaded, roots=[offload_store.root], cache=cache, max_pixels=10**8).materialize(
+            unfingerprinted
+        )
+    assert cache.stats.misses == 2 and cache.stats.hits == 0
+
+
+def test_every_placeholder_token_must_belong_to_an_image(
+    tiny_qwen2_vl: Path, offload_store: OffloadStore
+) -> None:
+    loaded = load_processor(tiny_qwen2_vl)
+    request_images = RequestImages(
+        loaded, roots=[offload_store.root], cache=MaterializeCache(0), max_pixels=10**8
+    )
+    pad = 99
+    with pytest.raises(InvalidImageRef) as excinfo:
+        request_images.parse(None, [1, pad, pad, 2], pad)
+    assert excinfo.value.reason == "count_mismatch"
+    assert request_images.parse(None, [1, 2, 3], pad) == []
