@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from rawmm.rl.orchestrator.rollout import PromptRenderer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     try:
         config = RunConfig.from_yaml(args.config)
     except ConfigError as exc:

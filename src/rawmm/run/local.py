@@ -44,14 +44,12 @@ class LocalRun:
         console: Console | None = None,
         tick_s: float = 0.5,
         engine_start_timeout_s: float = 300.0,
-        engine_down_timeout_s: float = 60.0,
         on_finished: Callable[[LocalRun], None] | None = None,
     ) -> None:
         self.plan = plan
         self.console = console or Console(stderr=True)
         self.tick_s = tick_s
         self.engine_start_timeout_s = engine_start_timeout_s
-        self.engine_down_timeout_s = engine_down_timeout_s
         self.on_finished = on_finished  # called after the run ends, before anything is stopped
         config = plan.config
         self.state = RunState(engine_urls=list(config.inference.urls))
@@ -67,6 +65,7 @@ class LocalRun:
                     "--offload-root", str(config.offload_dir),
                     "--materialize-cache-size", config.inference.materialize_cache_size,
                     "--processor-backend", config.model.processor_backend,
+                    *(["--trust-remote-code"] if config.model.trust_remote_code else []),
                 ),
                 plan.logs_dir / f"engine-{i}.log",
             )
@@ -76,7 +75,7 @@ class LocalRun:
             "orchestrator",
             rawmm_argv(
                 "orchestrate", str(plan.config_path), "--metrics-host", "127.0.0.1",
-                "--engine-down-timeout", str(engine_down_timeout_s),
+                "--engine-down-timeout", str(engine_start_timeout_s),
             ),
             plan.logs_dir / "orchestrator.log",
         )  # fmt: skip
@@ -88,6 +87,7 @@ class LocalRun:
         self.children = [*self.engines, self.trainer, self.orchestrator]
         self._started = time.monotonic()
         self._reported_dead: set[str] = set()
+        self._healthy: set[str] = set()
 
     @property
     def orchestrator_metrics_url(self) -> str:
@@ -101,12 +101,14 @@ class LocalRun:
         """Run to the end; returns the summary (also written to summary.json). Raises `LocalRunFailed`
         (or KeyboardInterrupt) after writing the summary if the run did not finish."""
         self._prepare()
+        self._started = time.monotonic()
         status, error = "completed", None
         try:
             with httpx.Client(timeout=2.0) as http, self._live() as live:
-                self._start_engines(http, live)
-                self.trainer.start()
-                self.orchestrator.start()
+                # All at once: the orchestrator waits for the engines itself, the trainer needs none,
+                # and their start-up (imports, model loading) overlaps.
+                for child in self.children:
+                    child.start()
                 while not self._finished():
                     self._tick(http, live)
                     time.sleep(self.tick_s)
@@ -130,6 +132,8 @@ class LocalRun:
 
             self.console.print(f"building the tiny {plan.tiny_preset} checkpoint at {plan.config.model.path}")
             build_tiny_model(plan.tiny_preset, Path(plan.config.model.path))
+        for directory in (plan.config.offload_dir, plan.config.rollouts_dir, plan.config.checkpoints_dir):
+            directory.mkdir(parents=True, exist_ok=True)
         plan.config.to_yaml(plan.config_path)
         self.console.print(f"rawmm run: output in {plan.output_dir}")
 
@@ -145,24 +149,18 @@ class LocalRun:
             elapsed_s=time.monotonic() - self._started,
         )  # fmt: skip
 
-    def _start_engines(self, http: httpx.Client, live: Live) -> None:
-        for engine in self.engines:
-            engine.start()
-        deadline = time.monotonic() + self.engine_start_timeout_s
-        pending = dict(zip(self.state.engine_urls, self.engines, strict=False)) if self.engines else {}
-        while pending:
-            for url, engine in list(pending.items()):
-                if engine.poll() is not None:
-                    raise LocalRunFailed(self._exit_message(engine, "while starting"))
-                version = health_version(http, url)
-                if version is not None:
-                    self.state.engine_versions[url] = version
-                    del pending[url]
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(e.name for e in pending.values())
-                raise LocalRunFailed(f"{names} not healthy after {self.engine_start_timeout_s:.0f}s")
-            live.update(self._view(), refresh=True)
-            time.sleep(0.25)
+    def _check_engines_started(self, http: httpx.Client) -> None:
+        """Fail the run when a local replica is not healthy `engine_start_timeout_s` after its start."""
+        for engine, url in zip(self.engines, self.state.engine_urls, strict=False):
+            if url in self._healthy:
+                continue
+            if health_version(http, url) is not None:
+                self._healthy.add(url)
+            elif time.monotonic() - self._started > self.engine_start_timeout_s and engine.poll() is None:
+                raise LocalRunFailed(
+                    f"{engine.name} not healthy after {self.engine_start_timeout_s:.0f}s; "
+                    f"last lines of {engine.log_path}:\n{engine.log_tail()}"
+                )
 
     def _finished(self) -> bool:
         for child in (self.orchestrator, self.trainer):
@@ -175,6 +173,7 @@ class LocalRun:
         return self.orchestrator.poll() == 0 and self.trainer.poll() == 0
 
     def _tick(self, http: httpx.Client, live: Live) -> None:
+        self._check_engines_started(http)
         for child in (self.orchestrator, self.trainer):
             for line in child.new_log_lines():
                 event = self.state.read_line(line)

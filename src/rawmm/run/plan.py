@@ -123,6 +123,8 @@ def _refuse_previous_run(shared_dir: Path) -> None:
 
 def _require_free(port: int, what: str) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As servers bind: connections of an earlier run lingering in TIME_WAIT do not block the port.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:

@@ -258,3 +258,27 @@ async def test_run_resumes_after_the_last_batch_and_ends_on_the_final_weights(
     assert [r.step for r in reports] == [2]
     assert [Path(p).name for p in engine.weights_paths] == ["step_1", "step_2"]
     assert orchestrator.pool.weights_versions == {engine.url: 2}
+
+
+async def test_a_sampled_image_placeholder_token_never_reaches_a_training_sample(
+    fake_engines, orchestrator_factory, renderer_parts
+):
+    _, tokenizer = renderer_parts
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    yes = tokenizer.encode("yes")
+    # Rollout 0 of each group: "yes", then a placeholder, then more; rollout 1 starts with one.
+    engine = await fake_engines(
+        reply=lambda body: [*yes, pad, *yes] if body["sampling"]["seed"] % 2 == 0 else [pad, *yes]
+    )
+    make, _ = orchestrator_factory
+    orchestrator = make([engine.url], environment=SayYes(), prompts_per_step=4)
+    await orchestrator.run_step(1)
+    samples = read_batch(orchestrator.config.rollouts_dir, 1).samples
+    seeds = {
+        f"step1-g{g}-r{r}-t0": request_seed(0, RolloutId(1, g, r), 0) for g in range(4) for r in range(2)
+    }
+    assert {s.sample_id for s in samples} == {sid for sid, seed in seeds.items() if seed % 2 == 0}
+    for sample in samples:
+        completion = [t for t, on in zip(sample.token_ids, sample.loss_mask, strict=True) if on]
+        assert completion == yes
+        assert sample.token_ids.count(pad) == sum(image.length for image in sample.mm_refs)

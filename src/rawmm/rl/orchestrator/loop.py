@@ -165,12 +165,11 @@ class Orchestrator:
                 self.metrics.samples_dropped.labels(reason=reason).inc()
         return kept, dropped
 
-    @staticmethod
-    def _samples(groups: list[list[Rollout]]) -> list[Sample]:
+    def _samples(self, groups: list[list[Rollout]]) -> list[Sample]:
         samples = []
         for group in groups:
             for rollout, advantage in zip(group, group_advantages([r.reward for r in group]), strict=True):
-                samples.extend(turn_samples(rollout, advantage))
+                samples.extend(turn_samples(rollout, advantage, self.renderer.placeholder_id))
         return samples
 
     async def _wait_for_trainer(self, step: int) -> float:

@@ -39,6 +39,7 @@ class PromptRenderer:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self.backend, self.store = backend, store
         self._tokenizer_lock = threading.Lock()
+        self.placeholder_id: int = self.tokenizer.convert_tokens_to_ids(self.family.placeholder_token)
 
     def offload(self, messages: list[Message]) -> list[Message]:
         return offload_message_images(messages, self.store)
@@ -129,12 +130,25 @@ async def play(
     return rollout
 
 
-def turn_samples(rollout: Rollout, advantage: float) -> list[Sample]:
-    """One sample per turn that generated tokens, each checked: spans must lie on image tokens."""
+def trainable_completion(generation: Generation, placeholder_id: int) -> tuple[list[int], list[float]]:
+    """The generated tokens and logprobs up to the first image placeholder token, if any.
+
+    A policy can sample the placeholder token (random tiny models do). In a training sample the model
+    would count it as an image position without an image and the forward fails, so the sample keeps
+    only the prefix before it; the conversation itself goes on with the decoded text, which drops it.
+    """
+    tokens = generation.token_ids
+    cut = tokens.index(placeholder_id) if placeholder_id in tokens else len(tokens)
+    return tokens[:cut], generation.logprobs[:cut]
+
+
+def turn_samples(rollout: Rollout, advantage: float, placeholder_id: int) -> list[Sample]:
+    """One sample per turn that generated trainable tokens, each checked: spans must lie on image tokens."""
     samples = []
     for number, turn in enumerate(rollout.turns):
-        prompt, generation = turn.prompt, turn.generation
-        completion = len(generation.token_ids)
+        prompt = turn.prompt
+        tokens, logprobs = trainable_completion(turn.generation, placeholder_id)
+        completion = len(tokens)
         if completion == 0:
             continue
         n = len(prompt.token_ids)
@@ -147,11 +161,11 @@ def turn_samples(rollout: Rollout, advantage: float) -> list[Sample]:
         validate_image_spans(mm_refs, mm_token_type_ids)
         samples.append(
             Sample(
-                token_ids=[*prompt.token_ids, *generation.token_ids],
+                token_ids=[*prompt.token_ids, *tokens],
                 mm_token_type_ids=mm_token_type_ids,
                 loss_mask=[False] * n + [True] * completion,
                 advantages=[0.0] * n + [advantage] * completion,
-                logprobs=[0.0] * n + list(generation.logprobs),
+                logprobs=[0.0] * n + logprobs,
                 mm_refs=mm_refs,
                 reward=rollout.reward,
                 sample_id=f"{rollout.id}-t{number}",
