@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -214,3 +215,17 @@ def test_cache_key_covers_ref_modality_placeholder_length_and_processor() -> Non
 def test_negative_budget_is_rejected() -> None:
     with pytest.raises(ValueError, match="negative"):
         MaterializeCache(-1)
+
+
+async def test_a_summary_line_is_logged_every_n_lookups(caplog: pytest.LogCaptureFixture) -> None:
+    cache: MaterializeCache[Item] = MaterializeCache(1000, log_every=3)
+    with caplog.at_level(logging.INFO, logger="rawmm.materialize.cache"):
+        for _ in range(2):
+            await cache.get("a", Work("a"))
+        assert not caplog.records
+        await cache.get("a", Work("a"))
+    (record,) = caplog.records
+    assert record.levelno == logging.INFO
+    assert record.getMessage() == (
+        "materialize cache: hits=2 misses=1 inflight_joins=0 hit_rate=66.7% bytes=10/1000 entries=1 evictions=0"
+    )

@@ -8,137 +8,30 @@ from __future__ import annotations
 
 import hashlib
 import json
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from PIL import Image
-from prometheus_client.parser import text_string_to_metric_families
+from serve_harness import Server, generate, picture, running_server, user
 
-from rawmm.contract import OffloadStore, RawImageDescriptor, encode_ref, get_family, parse_ref, render_chat
+from rawmm.contract import RawImageDescriptor, encode_ref, get_family, parse_ref
 
 pytestmark = pytest.mark.slow
 
 MAX_IMAGE_PIXELS = 250_000  # the server's decompression-bomb limit in these tests
-STARTUP_TIMEOUT_S = 240.0
-
-
-@dataclass
-class Server:
-    url: str
-    store: OffloadStore
-    tokenizer: Any
-    config: Any
-    log: Path
-
-    def post(self, route: str, body: Any) -> httpx.Response:
-        content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        return httpx.post(f"{self.url}{route}", content=content, timeout=120.0)
-
-    def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=30.0).text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and sample.labels == labels:
-                    return sample.value
-        return 0.0
-
-    def render(self, messages: list[dict[str, Any]]) -> tuple[list[int], dict[str, Any]]:
-        rendered = render_chat(
-            messages,
-            tokenizer=self.tokenizer,
-            family=get_family("qwen_vl"),
-            config=self.config,
-            store=self.store,
-        )
-        return rendered.token_ids, rendered.features()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"rawmm serve exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(
-        f"rawmm serve did not answer /health within {STARTUP_TIMEOUT_S}s:\n{log.read_text()[-3000:]}"
-    )
 
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2_vl: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from transformers import AutoTokenizer
-
-    work = tmp_path_factory.mktemp("serve")
-    store = OffloadStore(work / "offload")
-    port = free_port()
-    log = work / "serve.log"
-    command = [
-        sys.executable, "-m", "rawmm.cli", "serve",
-        "--model", str(tiny_qwen2_vl), "--engine", "transformers",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--offload-root", str(store.root),
-        "--materialize-cache-size", "256Mi",
-        "--max-image-pixels", str(MAX_IMAGE_PIXELS),
-    ]  # fmt: skip
-    with open(log, "wb") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, process, log)
-        yield Server(
-            url=url,
-            store=store,
-            tokenizer=AutoTokenizer.from_pretrained(tiny_qwen2_vl),
-            config=get_family("qwen_vl").config_from_pretrained(tiny_qwen2_vl),
-            log=log,
-        )
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=30)
-
-
-def picture(seed: int, width: int = 64, height: int = 48) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def user(*parts: Any) -> dict[str, Any]:
-    content = [
-        {"type": "image", "image": p} if isinstance(p, Image.Image) else {"type": "text", "text": p}
-        for p in parts
-    ]
-    return {"role": "user", "content": content}
-
-
-def generate(server: Server, token_ids: list[int], features: Any, **sampling: Any) -> httpx.Response:
-    body = {"prompt_token_ids": token_ids, "features": features, "sampling": {"max_tokens": 6, **sampling}}
-    return server.post("/v1/rawmm/generate", body)
+    serve_args = ["--engine", "transformers", "--materialize-cache-size", "256Mi",
+                  "--max-image-pixels", str(MAX_IMAGE_PIXELS)]  # fmt: skip
+    with running_server(tiny_qwen2_vl, tmp_path_factory.mktemp("serve"), serve_args) as running:
+        yield running
 
 
 def test_a_multi_image_prompt_generates(server: Server) -> None:

@@ -185,6 +185,7 @@ async def serve_vllm(
 ) -> None:
     """Run vLLM's OpenAI server for ``model`` with the rawmm routes mounted (vLLM's own launch sequence)."""
     from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.common.startup import cli_env_setup
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.app import build_app
@@ -193,6 +194,7 @@ async def serve_vllm(
 
     from rawmm import metrics
 
+    cli_env_setup()  # as `vllm serve` does: spawn (not fork) the engine-core processes
     parser = make_arg_parser(FlexibleArgumentParser(prog="rawmm serve --engine vllm"))
     args: argparse.Namespace = parser.parse_args(
         [

@@ -1,0 +1,124 @@
+"""A real `rawmm serve` process on 127.0.0.1 for HTTP tests: start, wait for /health, always stop."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+from rawmm.contract import OffloadStore, get_family, render_chat
+
+
+@dataclass
+class Server:
+    url: str
+    store: OffloadStore
+    tokenizer: Any
+    config: Any
+    log: Path
+
+    def post(self, route: str, body: Any) -> httpx.Response:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return httpx.post(f"{self.url}{route}", content=content, timeout=120.0)
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=30.0).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and sample.labels == labels:
+                    return sample.value
+        return 0.0
+
+    def render(self, messages: list[dict[str, Any]]) -> tuple[list[int], dict[str, Any]]:
+        rendered = render_chat(
+            messages,
+            tokenizer=self.tokenizer,
+            family=get_family("qwen_vl"),
+            config=self.config,
+            store=self.store,
+        )
+        return rendered.token_ids, rendered.features()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"rawmm serve exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"rawmm serve did not answer /health within {timeout_s}s:\n{log.read_text()[-3000:]}")
+
+
+@contextmanager
+def running_server(
+    model: Path, work: Path, serve_args: Sequence[str], *, timeout_s: float = 240.0
+) -> Iterator[Server]:
+    """``rawmm serve --model model`` with an offload store under ``work``; terminated on exit, whatever happens."""
+    from transformers import AutoTokenizer
+
+    store = OffloadStore(work / "offload")
+    port = free_port()
+    log = work / "serve.log"
+    command = [
+        sys.executable, "-m", "rawmm.cli", "serve", "--model", str(model),
+        "--host", "127.0.0.1", "--port", str(port), "--offload-root", str(store.root), *serve_args,
+    ]  # fmt: skip
+    with open(log, "wb") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, process, log, timeout_s)
+        yield Server(
+            url=url,
+            store=store,
+            tokenizer=AutoTokenizer.from_pretrained(model),
+            config=get_family("qwen_vl").config_from_pretrained(model),
+            log=log,
+        )
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def picture(seed: int, width: int = 64, height: int = 48) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def user(*parts: Any) -> dict[str, Any]:
+    content = [
+        {"type": "image", "image": p} if isinstance(p, Image.Image) else {"type": "text", "text": p}
+        for p in parts
+    ]
+    return {"role": "user", "content": content}
+
+
+def generate(server: Server, token_ids: list[int], features: Any, **sampling: Any) -> httpx.Response:
+    body = {"prompt_token_ids": token_ids, "features": features, "sampling": {"max_tokens": 6, **sampling}}
+    return server.post("/v1/rawmm/generate", body)
