@@ -18,7 +18,8 @@ import io
 import math
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -187,105 +188,131 @@ def _dashboard_checks(prometheus: Prometheus) -> dict[str, Callable[[], bool]]:
     return checks
 
 
-@pytest.mark.slow
-@pytest.mark.cluster
-@pytest.mark.timeout(420)
-def test_every_dashboard_query_returns_data_and_the_invalid_ref_alert_fires(
-    tmp_path: Path, tiny_qwen2_vl: Path
-) -> None:
-    ports = {name: free_port() for name in ("engine", "orchestrator", "trainer")}
-    operator = EmulatedOperator(tmp_path)
-    run_dir = tmp_path / "run"
-    prometheus = run = driver = None
-    try:
-        operator.start()
-        run_log = (tmp_path / "run.log").open("w")
-        run = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rawmm.cli",
-                "run",
-                str(run_config(tmp_path, tiny_qwen2_vl, ports)),
-                "--output-dir",
-                str(run_dir),
-            ],
-            stdout=run_log,
-            stderr=subprocess.STDOUT,
-        )
-        pod = {
+@dataclass
+class TinyRun:
+    process: subprocess.Popen[Any]
+    ports: dict[str, int]
+    output_dir: Path
+    log: Path
+
+    @property
+    def engine_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['engine']}"
+
+    def targets(self) -> list[ScrapeTarget]:
+        pods = {
             "engine": f"{RUN_NAME}-engine-0",
             "orchestrator": f"{RUN_NAME}-orchestrator-x7k2p",
             "trainer": f"{RUN_NAME}-trainer-0-q9d4w",
         }
-        targets = [ScrapeTarget(ports[c], {**RUN_LABELS, "pod": pod[c], "container": c}) for c in pod]
-        targets.append(
-            ScrapeTarget(
-                operator.metrics_port,
-                {
-                    "namespace": "rawmm-system",
-                    "job": "rawmm-metrics",
-                    "pod": "rawmm-operator-5d9c7",
-                    "container": "operator",
-                },
-            )
-        )
-        prometheus = Prometheus(tmp_path, targets, rule_groups())
-        prometheus.wait_ready()
+        return [
+            ScrapeTarget(self.ports[c], {**RUN_LABELS, "pod": pod, "container": c}) for c, pod in pods.items()
+        ]
 
+
+@pytest.fixture
+def tiny_run(tmp_path: Path, tiny_qwen2_vl: Path) -> Iterator[TinyRun]:
+    """`rawmm run` of the tiny model: engine, orchestrator and trainer exporters on loopback ports."""
+    ports = {name: free_port() for name in ("engine", "orchestrator", "trainer")}
+    config = run_config(tmp_path, tiny_qwen2_vl, ports)
+    log = tmp_path / "run.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "rawmm.cli", "run", str(config), "--output-dir", str(tmp_path / "run")],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield TinyRun(process, ports, tmp_path / "run", log)
+    finally:
+        stop_process(process, timeout=60)
+
+
+@pytest.fixture
+def operator(tmp_path: Path) -> Iterator[EmulatedOperator]:
+    """`rawmm operator` reconciling a valid RLRun and one it rejects (the vllm engine needs GPUs: a CEL
+    rule, which the emulator does not run, so the operator's own check reports it)."""
+    operator = EmulatedOperator(tmp_path)
+    try:
+        operator.start()
         operator.wait_serving_metrics()
         tiny = yaml.safe_load((REPO / "manifests" / "examples" / "tiny-cpu.yaml").read_text())
         tiny["metadata"]["namespace"] = RUN_NAMESPACE
         operator.create(tiny)
-        # Rejected by the operator: the vllm engine needs GPUs (a CEL rule the emulator does not run).
         invalid = copy.deepcopy(tiny)
         invalid["metadata"]["name"] = "needs-gpus"
         invalid["spec"]["inference"]["engine"] = "vllm"
         operator.create(invalid)
-
-        engine_url = f"http://127.0.0.1:{ports['engine']}"
-        wait_until(lambda: _healthy(engine_url), f"the run's engine (log: {tmp_path / 'run.log'})", 180, run)
-        wait_until(lambda: (run_dir / "run-config.yaml").exists(), "the run's effective config", 30, run)
-        # Prometheus must have seen the engine before the bad refs: the alert is about new ones.
-        wait_until(
-            lambda: prometheus.query("rawmm_materialize_cache_capacity_bytes"), "a first scrape", 30, run
-        )
-        driver = EngineDriver(engine_url, run_dir)
-        driver.drive()
-
-        # Each query must return a number at some point while the run is live.
-        pending = set(_dashboard_checks(prometheus))
-
-        def all_returned_data() -> bool:
-            for name, check in _dashboard_checks(prometheus).items():
-                if name in pending and check():
-                    pending.discard(name)
-            return not pending
-
-        try:
-            wait_until(all_returned_data, "data in every dashboard panel", timeout=240, process=run)
-        except pytest.fail.Exception:
-            pytest.fail(f"no data: {sorted(pending)}; targets: {prometheus.targets_up()}")
-
-        def invalid_ref_alerts() -> set[str]:
-            alerts = [
-                a for a in prometheus.firing_alerts() if a["labels"]["alertname"] == "RawmmInvalidImageRefs"
-            ]
-            return {a["labels"]["reason"] for a in alerts if a["labels"]["pod"] == pod["engine"]}
-
-        firing = wait_until(
-            lambda: invalid_ref_alerts() >= DRIVEN_REASONS and invalid_ref_alerts(), "the alert", 30
-        )
-        assert firing == DRIVEN_REASONS
+        yield operator
     finally:
-        if driver is not None:
-            driver.close()
-        if run is not None:
-            stop_process(run, timeout=60)
-            run_log.close()
-        if prometheus is not None:
-            prometheus.stop()
         operator.stop()
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path, tiny_run: TinyRun, operator: EmulatedOperator) -> Iterator[Prometheus]:
+    operator_target = ScrapeTarget(
+        operator.metrics_port,
+        {
+            "namespace": "rawmm-system",
+            "job": "rawmm-metrics",
+            "pod": "rawmm-operator-5d9c7",
+            "container": "operator",
+        },
+    )
+    prometheus = Prometheus(tmp_path, [*tiny_run.targets(), operator_target], rule_groups())
+    try:
+        prometheus.wait_ready()
+        yield prometheus
+    finally:
+        prometheus.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.timeout(420)
+def test_every_dashboard_query_returns_data_and_the_invalid_ref_alert_fires(
+    tiny_run: TinyRun, prometheus: Prometheus
+) -> None:
+    wait_until(
+        lambda: _healthy(tiny_run.engine_url),
+        f"the run's engine (log: {tiny_run.log})",
+        180,
+        tiny_run.process,
+    )
+    # Prometheus must have seen the engine before the bad refs: the alert is about new ones.
+    wait_until(lambda: prometheus.query("rawmm_materialize_cache_capacity_bytes"), "a first scrape", 30)
+    driver = EngineDriver(tiny_run.engine_url, tiny_run.output_dir)
+    try:
+        driver.drive()
+    finally:
+        driver.close()
+
+    # Each query must return a number at some point while the run is live.
+    pending = set(_dashboard_checks(prometheus))
+
+    def all_returned_data() -> bool:
+        for name, check in _dashboard_checks(prometheus).items():
+            if name in pending and check():
+                pending.discard(name)
+        return not pending
+
+    try:
+        wait_until(all_returned_data, "data in every dashboard panel", timeout=240, process=tiny_run.process)
+    except pytest.fail.Exception:
+        pytest.fail(f"no data: {sorted(pending)}; targets: {prometheus.targets_up()}; log: {tiny_run.log}")
+
+    def invalid_ref_reasons() -> set[str]:
+        return {
+            alert["labels"]["reason"]
+            for alert in prometheus.firing_alerts()
+            if alert["labels"]["alertname"] == "RawmmInvalidImageRefs"
+            and alert["labels"]["pod"] == f"{RUN_NAME}-engine-0"
+        }
+
+    firing = wait_until(
+        lambda: invalid_ref_reasons() >= DRIVEN_REASONS and invalid_ref_reasons(), "the alert", 30
+    )
+    assert firing == DRIVEN_REASONS
 
 
 def _healthy(url: str) -> bool:
