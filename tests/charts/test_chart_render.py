@@ -7,6 +7,7 @@ import json
 from functools import cache
 from typing import Any
 
+import helm_python as helm
 import pytest
 from chart_helpers import KUBE_VERSIONS, load_generate, read_values, validate_object, values_files
 
@@ -222,3 +223,32 @@ def test_namespaced_install_binds_the_operator_role_only_in_watched_namespaces()
         r for r in by_kind(docs, "ClusterRole") if r["metadata"]["name"] == "rawmm-operator-cluster"
     )
     assert {"namespaces"} <= {res for rule in framework["rules"] for res in rule["resources"]}
+
+
+@pytest.mark.parametrize("values_name", sorted(VALUE_SETS))
+def test_operator_command_line_is_what_rawmm_operator_accepts(
+    values_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from rawmm.commands import operator as operator_command
+
+    with helm.Chart.load(generate.CHART_DIR) as chart:
+        values = chart.merge_values(VALUE_SETS[values_name])
+    (container,) = one(_render(values_name), "Deployment")["spec"]["template"]["spec"]["containers"]
+    command, *arguments = container["args"]
+    assert command == "operator"
+    for variable in container["env"]:
+        monkeypatch.setenv(variable["name"], variable["value"])  # read by the parser's defaults
+    parser = argparse.ArgumentParser()
+    operator_command.add_arguments(parser)
+    parsed = parser.parse_args(arguments)
+    settings = values["operator"]
+    assert parsed.namespace == settings["watchNamespaces"]
+    assert parsed.all_namespaces == (not settings["watchNamespaces"])
+    assert (parsed.liveness_port, parsed.metrics_port) == (settings["healthPort"], settings["metricsPort"])
+    assert parsed.verbose == settings["verbose"]
+    pod_monitor = values["runs"]["podMonitor"]
+    assert parsed.pod_monitor == str(pod_monitor["enabled"]).lower()
+    assert parsed.pod_monitor_interval == pod_monitor["interval"]
+    assert json.loads(parsed.pod_monitor_labels) == pod_monitor["labels"]
