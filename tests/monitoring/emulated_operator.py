@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from monitoring_helpers import free_port, stop_process, wait_until
+from monitoring_helpers import stop_process, wait_until
+
+from rawmm.run.plan import free_port
 
 
 class EmulatedOperator:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+
+from rawmm.run.plan import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # Debian's prometheus package, unpacked by `make install` (no system install).
@@ -100,12 +101,6 @@ METRIC_NAME = re.compile(r"\b(rawmm_[a-z0-9_]+)")
 
 def metric_names(expr: str) -> set[str]:
     return set(METRIC_NAME.findall(expr))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,11 @@ import pytest
 import yaml
 from emulated_operator import EmulatedOperator
 from monitoring_helpers import (
+    REPO,
     Prometheus,
     ScrapeTarget,
     as_prometheus_query,
     dashboards,
-    free_port,
     panel_queries,
     rule_groups,
     stop_process,
@@ -40,7 +40,8 @@ from monitoring_helpers import (
     wait_until,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+from rawmm.run.plan import free_port
+
 RUN_NAMESPACE = "ml"
 RUN_NAME = "tiny"
 # The labels prometheus-operator puts on the targets of a run's PodMonitor (job = "<namespace>/<monitor>").
