@@ -78,15 +78,19 @@ def _unit_tests() -> list[dict[str, Any]]:
         {
             "interval": "1m",
             "input_series": [
-                # 10 hits + 30 misses a minute: hit rate 0.25 at 0.67 lookups/s.
+                # 10 hits, 10 misses, 20 in-flight joins a minute: hit rate 0.25 at 0.67 lookups/s (joins are
+                # lookups the cache did not serve: hits / (hits + misses) alone would be 0.5).
                 _series("rawmm_materialize_cache_hits_total", low, "0+10x40"),
-                _series("rawmm_materialize_cache_misses_total", low, "0+30x40"),
-                # Hit rate 0.75.
+                _series("rawmm_materialize_cache_misses_total", low, "0+10x40"),
+                _series("rawmm_materialize_cache_inflight_joins_total", low, "0+20x40"),
+                # Hit rate 0.75 (30 of 40).
                 _series("rawmm_materialize_cache_hits_total", high, "0+30x40"),
-                _series("rawmm_materialize_cache_misses_total", high, "0+10x40"),
+                _series("rawmm_materialize_cache_misses_total", high, "0+6x40"),
+                _series("rawmm_materialize_cache_inflight_joins_total", high, "0+4x40"),
                 # Hit rate 0.25 but only 4 lookups a minute: no traffic to speak of.
                 _series("rawmm_materialize_cache_hits_total", quiet, "0+1x40"),
                 _series("rawmm_materialize_cache_misses_total", quiet, "0+3x40"),
+                _series("rawmm_materialize_cache_inflight_joins_total", quiet, "0x40"),
             ],
             "alert_rule_test": [
                 _alert("RawmmMaterializeCacheHitRateLow", "10m"),  # pending, not yet for 15m

@@ -88,3 +88,8 @@ patches it, and writes the RLRun's status; kopf watches the StatefulSets, Jobs a
 {{- define "rawmm.engineTargetSelector" -}}
 container="engine"
 {{- end }}
+
+{{/* Materialize-cache lookups per second of one engine target: hits + misses + in-flight joins. */}}
+{{- define "rawmm.cacheLookupRate" -}}
+rate(rawmm_materialize_cache_hits_total[10m]) + rate(rawmm_materialize_cache_misses_total[10m]) + rate(rawmm_materialize_cache_inflight_joins_total[10m])
+{{- end }}
