@@ -105,14 +105,13 @@ def _indented(mapping: dict[str, str], indent: int) -> str:
 def crd_template_text(crd: dict[str, Any]) -> str:
     """The CRD as a chart template: chart labels added, the keep annotation behind `crds.keep`."""
     metadata = crd["metadata"]
-    unexpected = set(metadata) - {"name", "labels", "annotations"}
+    unexpected = set(metadata) - {"name", "labels"}
     if unexpected:
         raise ValueError(f"CRD metadata fields the chart template does not carry: {sorted(unexpected)}")
     # The chart's own labels (rawmm.labels) win over the operator's labels of the same name.
     own_labels = {k: v for k, v in metadata.get("labels", {}).items() if k not in CHART_LABELS}
     # Helm would read "{{" in a description or CEL rule as a template action: print it literally.
-    spec = _indented({"spec": crd["spec"]}, 0).replace("{{", '{{ "{{" }}')
-    annotations = metadata.get("annotations", {})
+    spec = dump_yaml({"spec": crd["spec"]}).replace("{{", '{{ "{{" }}')
     lines = [
         f"{{{{- /* {GENERATED} Source: the RLRun spec models in operator/rawmm_operator/. */}}}}",
         "{{- if .Values.crds.install }}",
@@ -125,11 +124,9 @@ def crd_template_text(crd: dict[str, Any]) -> str:
     ]
     if own_labels:
         lines.append(_indented(own_labels, 4).rstrip("\n"))
-    if annotations:
-        lines += ["  annotations:", _indented(annotations, 4).rstrip("\n"), "    {{- if .Values.crds.keep }}"]
-    else:
-        lines += ["  {{- if .Values.crds.keep }}", "  annotations:"]
     lines += [
+        "  {{- if .Values.crds.keep }}",
+        "  annotations:",
         # Uninstalling the release must not delete the CRD: that would delete every RLRun in the cluster.
         "    helm.sh/resource-policy: keep",
         "  {{- end }}",
