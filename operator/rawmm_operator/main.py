@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -34,8 +35,8 @@ async def run_operator(
     timing: LoopTiming = DEFAULT_TIMING,
     pod_monitor: PodMonitorSettings = DEFAULT_POD_MONITOR,
     settings: kopf.OperatorSettings | None = None,
-    stop_flag: asyncio.Event | None = None,
-    ready_flag: asyncio.Event | None = None,
+    stop_flag: asyncio.Event | threading.Event | None = None,
+    ready_flag: asyncio.Event | threading.Event | None = None,
 ) -> None:
     """Run until `stop_flag` is set (or a signal): cluster-wide unless `namespaces` are given."""
     reconciler = Reconciler(KubeApi(api_client), pod_monitor=pod_monitor)

@@ -14,6 +14,7 @@ import contextlib
 import copy
 import datetime
 import itertools
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -57,6 +58,12 @@ def _now() -> str:
 @attrs.define(kw_only=True)
 class KubeEmulator(kmock.KubernetesEmulator):
     _versions: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
+    # (HTTP method, plural) -> how many of the next such requests fail with 503 (see `fail_next`)
+    _failures: dict[tuple[str, str], int] = attrs.field(factory=dict, init=False)
+
+    def fail_next(self, method: str, plural: str, times: int = 1) -> None:
+        """Answer the next `times` requests of this method on this resource with 503, storing nothing."""
+        self._failures[(method.upper(), plural)] = times
 
     def declare(self, resources: dict[str, tuple[str, bool]] = RESOURCES) -> None:
         for key, (kind, has_status) in resources.items():
@@ -75,6 +82,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
         return None
 
     async def _handle(self, request: kmock.Request) -> Any:
+        failure = (str(request.method.value), request.resource.plural if request.resource else "")
+        if self._failures.get(failure, 0) > 0:
+            self._failures[failure] -= 1
+            return await self._render_error(kmock.KubernetesError(status=503, reason="ServiceUnavailable"))
         if request.resource is not None:
             if request.action == kmock.action.CREATE and isinstance(request.data, dict):
                 self._on_create(request)
@@ -207,25 +218,42 @@ FAST_TIMING = LoopTiming(resync_seconds=2.0, error_backoffs=(0.1, 0.2, 0.5))
 
 @contextlib.asynccontextmanager
 async def running_operator(cluster: Cluster, *, timing: LoopTiming = FAST_TIMING) -> AsyncIterator[None]:
-    """The real operator, cluster-wide, in this event loop until the block exits."""
-    stop, ready = asyncio.Event(), asyncio.Event()
+    """The real operator, cluster-wide, until the block exits.
+
+    It runs in a thread with its own event loop, as in production: on exit kopf cancels every task
+    created in its loop since it started, which would include the emulator's connection handlers.
+    """
+    stop, ready = threading.Event(), threading.Event()
+    failures: list[BaseException] = []
     api_client = cluster.api_client()
-    task = asyncio.create_task(
-        run_operator(
-            api_client,
-            login=cluster.login,
-            timing=timing,
-            settings=fast_settings(),
-            stop_flag=stop,
-            ready_flag=ready,
-        )
-    )
+
+    def run() -> None:
+        try:
+            asyncio.run(
+                run_operator(
+                    api_client,
+                    login=cluster.login,
+                    timing=timing,
+                    settings=fast_settings(),
+                    stop_flag=stop,
+                    ready_flag=ready,
+                )
+            )
+        except BaseException as exc:  # handed to the test below
+            failures.append(exc)
+            ready.set()
+
+    thread = threading.Thread(target=run, name="rawmm-operator", daemon=True)
+    thread.start()
     try:
-        await asyncio.wait_for(ready.wait(), timeout=30)
+        if not await asyncio.to_thread(ready.wait, 30) or failures:
+            raise RuntimeError("the operator did not start") from (failures[0] if failures else None)
         yield
     finally:
         stop.set()
-        try:
-            await asyncio.wait_for(task, timeout=30)
-        finally:
-            api_client.close()
+        await asyncio.to_thread(thread.join, 30)
+        api_client.close()
+    if thread.is_alive():
+        raise RuntimeError("the operator did not stop within 30 s")
+    if failures:
+        raise RuntimeError("the operator failed") from failures[0]
