@@ -1,0 +1,145 @@
+"""`rawmm operator` (as a process, against the emulator) and `rawmm manifests`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from operator_samples import CPU_ONLY, ISSUE_EXAMPLE, rlrun
+from prometheus_client.parser import text_string_to_metric_families
+from rawmm_operator.crd import crd_yaml
+from rawmm_operator.testing import Cluster, emulated_cluster
+
+from rawmm.cli import main
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Cluster]:
+    async with emulated_cluster() as running:
+        yield running
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+async def test_operator_command_serves_liveness_and_metrics(cluster: Cluster, tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "emulator", "cluster": {"server": cluster.url}}],
+                "users": [{"name": "test", "user": {}}],
+                "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test"}}],
+                "current-context": "emulator",
+            }
+        )
+    )
+    liveness, metrics = free_port(), free_port()
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "RAWMM_POD_MONITOR": "false"}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    command = [sys.executable, "-m", "rawmm.cli", "operator", "--all-namespaces", "--host", "127.0.0.1"]
+    command += [f"--liveness-port={liveness}", f"--metrics-port={metrics}", "--resync-seconds=1"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        async with httpx.AsyncClient(timeout=2) as client:
+            deadline = time.monotonic() + 30
+            while True:
+                assert process.poll() is None, process.stdout.read() if process.stdout else ""
+                try:
+                    if (await client.get(f"http://127.0.0.1:{liveness}/healthz")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "no liveness endpoint"
+                await asyncio.sleep(0.1)
+
+            response = await cluster.emulator.post(
+                "/apis/rawmm.dev/v1alpha1/namespaces/ml/rlruns", json=rlrun("exp", CPU_ONLY)
+            )
+            assert response.status < 300
+            deadline = time.monotonic() + 30
+            while True:
+                text = (await client.get(f"http://127.0.0.1:{metrics}/metrics")).text
+                phases = samples(text, "rawmm_rlruns")
+                if phases.get((("phase", "Pending"),)) == 1.0:
+                    break
+                assert time.monotonic() < deadline, text
+                await asyncio.sleep(0.1)
+            assert samples(text, "rawmm_operator_reconciles_total")[(("result", "success"),)] >= 1
+            assert samples(text, "rawmm_operator_reconcile_seconds_count")[()] >= 1
+            assert cluster.object("apps/v1/statefulsets", "ml", "exp-engine") is not None
+            assert not cluster.objects("monitoring.coreos.com/v1/podmonitors")  # RAWMM_POD_MONITOR=false
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            output, _ = await asyncio.to_thread(process.communicate, timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert process.returncode == 0, output
+
+
+def test_operator_command_without_a_cluster_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "absent"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert main(["operator", "--metrics-port", "0"]) == 2
+    assert "no Kubernetes configuration" in capsys.readouterr().err
+
+
+def test_operator_command_rejects_bad_pod_monitor_labels(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["operator", "--pod-monitor-labels", "[1]"]) == 2
+    assert "--pod-monitor-labels must be a JSON object" in capsys.readouterr().err
+
+
+def test_manifests_writes_checks_and_prints_the_crd(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["manifests", "--out-dir", str(tmp_path), "--check"]) == 1
+    assert main(["manifests", "--out-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "rlruns.rawmm.dev.yaml").read_text() == crd_yaml()
+    assert main(["manifests", "--out-dir", str(tmp_path), "--check"]) == 0
+    capsys.readouterr()
+    assert main(["manifests", "--print"]) == 0
+    assert capsys.readouterr().out == crd_yaml()
+
+
+def test_manifests_render_prints_the_children_of_an_rlrun(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(rlrun("exp", ISSUE_EXAMPLE)))
+    assert main(["manifests", "--render", str(path)]) == 0
+    kinds = [doc["kind"] for doc in yaml.safe_load_all(capsys.readouterr().out)]
+    assert kinds.count("Job") == 2 and "StatefulSet" in kinds and "ConfigMap" in kinds
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(rlrun("exp", {**ISSUE_EXAMPLE, "inference": {"gpus": 0}})))
+    assert main(["manifests", "--render", str(bad)]) == 2
+    assert "the vllm engine needs gpus >= 1" in capsys.readouterr().err
