@@ -67,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
             OffloadStore(config.offload_dir),
         )
     except OSError as exc:
-        raise CliError(f"model.path {config.model.path!r}: cannot load the tokenizer: {exc}") from None
+        raise CliError(
+            f"model.path {config.model.path!r}: cannot load its tokenizer and processor config: {exc}"
+        ) from None
     metrics = OrchestratorMetrics()
     port = config.monitoring.orchestrator_metrics_port
     if port:

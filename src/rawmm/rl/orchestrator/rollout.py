@@ -32,10 +32,10 @@ class PromptRenderer:
     """
 
     def __init__(self, model_path: str | Path, preset: str, backend: str, store: OffloadStore) -> None:
+        self.family, _ = resolve_preset(preset)
+        self.config = self.family.config_from_pretrained(model_path)  # fails fast on a wrong path
         from transformers import AutoTokenizer
 
-        self.family, _ = resolve_preset(preset)
-        self.config = self.family.config_from_pretrained(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self.backend, self.store = backend, store
         self._tokenizer_lock = threading.Lock()
