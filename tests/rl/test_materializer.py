@@ -92,14 +92,14 @@ def test_kwargs_follow_packed_image_order(make):
     batch = concat_samples([make([prompt_image, zoom], "a"), make([], "text"), make([other], "b")])
     got = make.materializer().materialize(batch)
     want = make.reference_inputs([prompt_image, zoom, other])
-    assert got.mm_kwargs.keys() == want.keys()
+    assert got.mm_kwargs().keys() == want.keys()
     for key in want:
-        torch.testing.assert_close(got.mm_kwargs[key], want[key], rtol=0, atol=0)
+        torch.testing.assert_close(got.mm_kwargs()[key], want[key], rtol=0, atol=0)
     assert got.missing == () and got.batch is batch
 
 
 def test_text_only_micro_batch_has_no_image_inputs(make):
-    assert make.materializer().materialize(concat_samples([make([], "t")])).mm_kwargs == {}
+    assert make.materializer().materialize(concat_samples([make([], "t")])).mm_kwargs() == {}
 
 
 def test_dedupe_materializes_each_image_once_per_step(make):
@@ -112,7 +112,7 @@ def test_dedupe_materializes_each_image_once_per_step(make):
     outputs = [materializer.materialize(first), materializer.materialize(second)]
     assert (materializer.stats.images, materializer.stats.materialized) == (7, 3)
     want = make.reference_inputs([shared, shared, turn2, shared, turn2, turn3, shared])
-    got = torch.cat([o.mm_kwargs["pixel_values"] for o in outputs])
+    got = torch.cat([o.mm_kwargs()["pixel_values"] for o in outputs])
     torch.testing.assert_close(got, want["pixel_values"], rtol=0, atol=0)
 
     materializer.begin_step(2)  # dedupe is per step: a new step materializes again
@@ -154,11 +154,11 @@ def test_zero_loss_zeroes_only_the_affected_sample(make):
         assert out.batch.loss_mask[lo:hi] == packed.loss_mask[lo:hi]
         assert out.batch.advantages[lo:hi] == packed.advantages[lo:hi]
     # The stand-in has the shape the sample's placeholders need, so the forward still lines up.
-    assert out.mm_kwargs["image_grid_thw"].tolist() == [
+    assert out.mm_kwargs()["image_grid_thw"].tolist() == [
         r.descriptor["payload"]["image_grid_thw"][0] for r in packed.images
     ]
     assert (
-        out.mm_kwargs["pixel_values"].shape
+        out.mm_kwargs()["pixel_values"].shape
         == make.reference_inputs([random_image(60 + 8 * i, 60, i) for i in range(3)])["pixel_values"].shape
     )
 
@@ -166,7 +166,7 @@ def test_zero_loss_zeroes_only_the_affected_sample(make):
 def loss_and_grads(model, materializer, batch: PackedMicroBatch, step_tokens: int):
     model.zero_grad(set_to_none=True)
     out = materializer.materialize(batch)
-    new = forward_logprobs(model, out.batch, out.mm_kwargs, materializer.forward_policy)
+    new = forward_logprobs(model, out.batch, out.mm_kwargs(), materializer.forward_policy)
     mask = torch.tensor(out.batch.loss_mask) & ~sample_starts(out.batch.seq_lens)
     parts = policy_gradient_loss(
         new,

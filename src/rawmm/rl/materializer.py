@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from PIL import Image
@@ -60,12 +60,20 @@ class MaterializedMicroBatch:
     """A micro-batch ready for the forward pass.
 
     `batch` is the input micro-batch with the loss mask and advantages of every sample in `missing`
-    zeroed; `mm_kwargs` are the image tensors in packed image order (empty for text only).
+    zeroed. `images` are each image's inputs in packed image order; with dedupe, repeats share the
+    step's one copy, so a step holds each unique image once until `mm_kwargs()` assembles the model
+    inputs of this micro-batch right before its forward pass.
     """
 
     batch: PackedMicroBatch
-    mm_kwargs: dict[str, torch.Tensor]
+    images: tuple[dict[str, torch.Tensor], ...]
     missing: tuple[MissingImage, ...]
+
+    def mm_kwargs(self) -> dict[str, torch.Tensor]:
+        """The model's image kwargs: per-image tensors concatenated along dim 0 (patch rows, grid rows)."""
+        if not self.images:
+            return {}
+        return {key: torch.cat([inputs[key] for inputs in self.images], dim=0) for key in self.images[0]}
 
 
 @dataclass
@@ -143,7 +151,7 @@ class RawImageMaterializer:
             self._handle_missing([m for _, m in missing])
             batch = _zero_samples(batch, {index for index, _ in missing})
         return MaterializedMicroBatch(
-            batch=batch, mm_kwargs=_concat(per_image), missing=tuple(m for _, m in missing)
+            batch=batch, images=tuple(per_image), missing=tuple(m for _, m in missing)
         )
 
     def _image_inputs(self, image: MMImageRef) -> dict[str, torch.Tensor]:
@@ -189,10 +197,3 @@ def _zero_samples(batch: PackedMicroBatch, sample_indices: set[int]) -> PackedMi
         loss_mask[start:end] = [False] * (end - start)
         advantages[start:end] = [0.0] * (end - start)
     return replace(batch, loss_mask=loss_mask, advantages=advantages)
-
-
-def _concat(per_image: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Stack per-image kwargs along dim 0 (patch rows, grid rows) in packed image order."""
-    if not per_image:
-        return {}
-    return {key: torch.cat([inputs[key] for inputs in per_image], dim=0) for key in per_image[0]}
