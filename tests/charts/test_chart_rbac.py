@@ -123,99 +123,102 @@ def _example_run() -> dict[str, Any]:
     return run
 
 
-async def _run_life(namespaces: list[str]) -> set[Access]:
-    """An RLRun's life under the real operator: create, children appear and report status, spec change,
-    suspension, deletion. Returns what the operator requested."""
+async def _run_life(cluster: Any, namespaces: list[str]) -> set[Access]:
+    """An RLRun's life under the real operator on `cluster`: create, children appear and report status,
+    spec change, suspension, deletion. Returns what the operator requested."""
     from rawmm_operator.builders import PodMonitorSettings
     from rawmm_operator.kube import KubeApi
     from rawmm_operator.main import run_operator
-    from rawmm_operator.testing import FAST_TIMING, emulated_cluster, fast_settings
+    from rawmm_operator.testing import FAST_TIMING, fast_settings
 
-    async with emulated_cluster() as cluster:
-        test_client = cluster.api_client()
-        test_client.user_agent = TEST_AGENT
-        api = KubeApi(test_client)
-        stop, ready = asyncio.Event(), asyncio.Event()
-        operator_client = cluster.api_client()
-        task = asyncio.create_task(
-            run_operator(
-                operator_client,
-                login=cluster.login,
-                namespaces=namespaces,
-                timing=FAST_TIMING,
-                settings=fast_settings(),
-                pod_monitor=PodMonitorSettings(enabled=True, labels=(("release", "prometheus"),)),
-                stop_flag=stop,
-                ready_flag=ready,
-            )
+    test_client = cluster.api_client()
+    test_client.user_agent = TEST_AGENT
+    api = KubeApi(test_client)
+    stop, ready = asyncio.Event(), asyncio.Event()
+    operator_client = cluster.api_client()
+    task = asyncio.create_task(
+        run_operator(
+            operator_client,
+            login=cluster.login,
+            namespaces=namespaces,
+            timing=FAST_TIMING,
+            settings=fast_settings(),
+            pod_monitor=PodMonitorSettings(enabled=True, labels=(("release", "prometheus"),)),
+            stop_flag=stop,
+            ready_flag=ready,
         )
-        try:
-            await asyncio.wait_for(ready.wait(), timeout=30)
-            run = _example_run()
-            name = run["metadata"]["name"]
-            await asyncio.to_thread(api.create, run)
-            engines = f"{name}-engine"
-            await _wait_for(lambda: cluster.object("apps/v1/statefulsets", RUN_NAMESPACE, engines), "engines")
-            await _wait_for(
-                lambda: cluster.object("monitoring.coreos.com/v1/podmonitors", RUN_NAMESPACE, name), "monitor"
-            )
-            await asyncio.to_thread(
-                api.patch,
-                "StatefulSet",
-                RUN_NAMESPACE,
-                engines,
-                {"status": {"readyReplicas": 2}},
-                subresource="status",
-            )
-            await _wait_for(
-                lambda: (cluster.object("rawmm.dev/v1alpha1/rlruns", RUN_NAMESPACE, name) or {}).get(
-                    "status"
-                ),
-                "status",
-            )
-            await asyncio.to_thread(
-                api.patch,
-                "RLRun",
-                RUN_NAMESPACE,
-                name,
-                {"spec": {"inference": {"materializeCacheSize": "16Gi"}}},
-            )
+    )
+    try:
+        await asyncio.wait_for(ready.wait(), timeout=30)
+        run = _example_run()
+        name = run["metadata"]["name"]
+        await asyncio.to_thread(api.create, run)
+        engines = f"{name}-engine"
+        await _wait_for(lambda: cluster.object("apps/v1/statefulsets", RUN_NAMESPACE, engines), "engines")
+        await _wait_for(
+            lambda: cluster.object("monitoring.coreos.com/v1/podmonitors", RUN_NAMESPACE, name), "monitor"
+        )
+        await asyncio.to_thread(
+            api.patch,
+            "StatefulSet",
+            RUN_NAMESPACE,
+            engines,
+            {"status": {"readyReplicas": 2}},
+            subresource="status",
+        )
+        await _wait_for(
+            lambda: (cluster.object("rawmm.dev/v1alpha1/rlruns", RUN_NAMESPACE, name) or {}).get("status"),
+            "status",
+        )
+        await asyncio.to_thread(
+            api.patch,
+            "RLRun",
+            RUN_NAMESPACE,
+            name,
+            {"spec": {"inference": {"materializeCacheSize": "16Gi"}}},
+        )
 
-            def cache_rolled() -> bool:
-                engine = cluster.object("apps/v1/statefulsets", RUN_NAMESPACE, engines)
-                env = engine["spec"]["template"]["spec"]["containers"][0]["env"]
-                return {"name": "RAWMM_MATERIALIZE_CACHE_SIZE", "value": "16Gi"} in env
+        def cache_rolled() -> bool:
+            engine = cluster.object("apps/v1/statefulsets", RUN_NAMESPACE, engines)
+            env = engine["spec"]["template"]["spec"]["containers"][0]["env"]
+            return {"name": "RAWMM_MATERIALIZE_CACHE_SIZE", "value": "16Gi"} in env
 
-            await _wait_for(cache_rolled, "the cache size change reaches the engines")
-            await asyncio.to_thread(api.patch, "RLRun", RUN_NAMESPACE, name, {"spec": {"suspend": True}})
-            await _wait_for(
-                lambda: (cluster.object("batch/v1/jobs", RUN_NAMESPACE, f"{name}-trainer") or {})["spec"][
-                    "suspend"
-                ],
-                "suspending the run suspends its Jobs",
-            )
-            await asyncio.to_thread(
-                k8s.CustomObjectsApi(test_client).delete_namespaced_custom_object,
-                "rawmm.dev", "v1alpha1", RUN_NAMESPACE, "rlruns", name,
-            )  # fmt: skip
-            await _wait_for(
-                lambda: cluster.object("rawmm.dev/v1alpha1/rlruns", RUN_NAMESPACE, name) is None,
-                "the operator releases its finalizer",
-            )
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, timeout=30)
-            operator_client.close()
-            test_client.close()
-        return operator_accesses(cluster.emulator)
+        await _wait_for(cache_rolled, "the cache size change reaches the engines")
+        await asyncio.to_thread(api.patch, "RLRun", RUN_NAMESPACE, name, {"spec": {"suspend": True}})
+        await _wait_for(
+            lambda: (cluster.object("batch/v1/jobs", RUN_NAMESPACE, f"{name}-trainer") or {})["spec"][
+                "suspend"
+            ],
+            "suspending the run suspends its Jobs",
+        )
+        await asyncio.to_thread(
+            k8s.CustomObjectsApi(test_client).delete_namespaced_custom_object,
+            "rawmm.dev", "v1alpha1", RUN_NAMESPACE, "rlruns", name,
+        )  # fmt: skip
+        await _wait_for(
+            lambda: cluster.object("rawmm.dev/v1alpha1/rlruns", RUN_NAMESPACE, name) is None,
+            "the operator releases its finalizer",
+        )
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=30)
+        operator_client.close()
+        test_client.close()
+    return operator_accesses(cluster.emulator)
 
 
 @pytest.fixture(scope="module")
 def lives() -> tuple[set[Access], set[Access]]:
     """What a cluster-wide and a namespaced operator requested (run side by side: kopf's shutdown is slow)."""
 
+    from rawmm_operator.testing import emulated_cluster
+
     async def both() -> list[set[Access]]:
-        return await asyncio.gather(_run_life(namespaces=[]), _run_life(namespaces=[RUN_NAMESPACE]))
+        # Nested, not gathered, contexts: kmock's servers patch a resolver that must unwind in order.
+        async with emulated_cluster() as first, emulated_cluster() as second:
+            return await asyncio.gather(
+                _run_life(first, namespaces=[]), _run_life(second, namespaces=[RUN_NAMESPACE])
+            )
 
     cluster_wide, namespaced = asyncio.run(both())
     return cluster_wide, namespaced
