@@ -93,6 +93,7 @@ def test_items_match_what_vllms_own_processor_builds(
         assert torch.equal(batched[key], expected[key]), key
 
 
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 def test_items_survive_vllms_ipc_serialization(tiny_qwen2_vl: Path, offload_store: OffloadStore) -> None:
     (image,) = inputs_for(offload_store, load_processor(tiny_qwen2_vl), [(64, 48)])
     item = to_vllm_item(image.item)

@@ -100,6 +100,10 @@ class Engine(ABC):
             )
 
     @abstractmethod
+    async def check_health(self) -> None:
+        """Raise if the engine cannot serve."""
+
+    @abstractmethod
     async def generate(
         self, token_ids: list[int], images: Sequence[ImageInput], sampling: Sampling
     ) -> Generation:

@@ -99,7 +99,12 @@ def build_router(engine: Engine, images: RequestImages) -> APIRouter:
         return WeightsResponse(weights_version=version)
 
     @router.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> Any:
+        try:
+            await engine.check_health()
+        except Exception as exc:
+            log.error("health check failed: %r", exc)
+            return JSONResponse(status_code=503, content={"status": "unhealthy", "message": repr(exc)})
         return {"status": "ok", "weights_version": engine.weights_version}
 
     @router.get("/metrics")

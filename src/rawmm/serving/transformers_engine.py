@@ -55,6 +55,9 @@ class TransformersEngine(Engine):
         # One thread: the model and its cached M-RoPE deltas belong to one request at a time.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rawmm-engine")
 
+    async def check_health(self) -> None:
+        """In process: the engine can serve whenever the server answers."""
+
     async def generate(
         self, token_ids: list[int], images: Sequence[ImageInput], sampling: Sampling
     ) -> Generation:
