@@ -117,7 +117,6 @@ def build_router(engine: Engine, images: RequestImages) -> APIRouter:
 def create_app(engine: Engine, images: RequestImages) -> FastAPI:
     """The standalone rawmm server app (the transformers engine); vLLM mounts the same router on its own app."""
     metrics.register_engine_metrics()
-    metrics.CACHE_CAPACITY_BYTES.set(images.cache.max_bytes)
     metrics.ENGINE_WEIGHTS_VERSION.set(engine.weights_version)
     app = FastAPI(title="rawmm engine", docs_url=None, redoc_url=None)
     app.include_router(build_router(engine, images))

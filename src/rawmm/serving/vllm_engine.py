@@ -218,7 +218,6 @@ async def serve_vllm(
             await init_app_state(client, app.state, args, supported_tasks)
             engine = VllmEngine(client, processor)
             metrics.register_engine_metrics()
-            metrics.CACHE_CAPACITY_BYTES.set(images.cache.max_bytes)
             mount_routes(app, engine, images)
             log.info("rawmm routes mounted on vLLM at %s", listen_address)
             shutdown = await serve_http(
