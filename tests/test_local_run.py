@@ -6,6 +6,7 @@ from __future__ import annotations
 import _thread
 import json
 import os
+import signal
 import socket
 import sys
 import textwrap
@@ -86,9 +87,10 @@ def test_plan_keeps_an_absolute_shared_dir_and_external_engines(tmp_path):
     [
         ({"model": {"path": "tiny:qwen3_vl", "preset": "qwen2_vl"}}, "does not match model.preset"),
         ({"model": {"path": "tiny:kimi_k25", "preset": "kimi_k25"}}, "tiny checkpoints exist for"),
+        ({"orchestrator": {"max_async_level": 0}}, "max_async_level must be at least 1"),
     ],
 )
-def test_plan_refuses_bad_tiny_models(tmp_path, overrides, message):
+def test_plan_refuses_unusable_settings(tmp_path, overrides, message):
     with pytest.raises(PlanError, match=message):
         plan_local_run(config(**overrides), output_dir=tmp_path)
 
@@ -242,18 +244,24 @@ def _kill_when_started(run: LocalRun) -> None:
 
 
 def test_ctrl_c_stops_every_process_and_records_the_interruption(fake_run):
+    # Ctrl-C as Python delivers it, whatever handler an earlier test's server left installed.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     run = fake_run(trainer_then="hang", orchestrator_then="hang")
-    interrupter = threading.Thread(target=lambda: _interrupt_after_first_step(run))
+    interrupter = threading.Thread(target=lambda: _interrupt_after_first_step(run), daemon=True)
     interrupter.start()
-    with pytest.raises(KeyboardInterrupt):
-        run.run()
-    interrupter.join()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run.run()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    interrupter.join(timeout=10)
     assert json.loads(run.plan.summary_path.read_text())["status"] == "interrupted"
 
 
 def _interrupt_after_first_step(run: LocalRun) -> None:
     event = threading.Event()
-    while not run.state.trainer_steps and not event.wait(0.02):
+    deadline = time.monotonic() + 60
+    while not run.state.trainer_steps and time.monotonic() < deadline and not event.wait(0.02):
         pass
     _thread.interrupt_main()
 

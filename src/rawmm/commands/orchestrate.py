@@ -51,6 +51,10 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     if not config.inference.urls:
         raise CliError("inference.urls is empty: give the engine replicas' URLs (`rawmm run` fills them in)")
+    if config.orchestrator.max_async_level < 1:
+        raise CliError(
+            "orchestrator.max_async_level must be at least 1 (1 = on-policy: batch N uses checkpoint N-1)"
+        )
     steps = args.steps if args.steps is not None else config.trainer.steps
     if steps < 1:
         raise CliError(f"--steps must be at least 1, got {steps}")

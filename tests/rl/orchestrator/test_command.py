@@ -29,6 +29,10 @@ def write_config(tmp_path, **sections) -> str:
             "orchestrator.environment: unknown environment 'nope'",
         ),
         (
+            {"inference": {"urls": ["http://127.0.0.1:9"]}, "orchestrator": {"max_async_level": 0}},
+            "orchestrator.max_async_level must be at least 1",
+        ),
+        (
             {"inference": {"urls": ["http://127.0.0.1:9"]}},
             "model.path",  # the tokenizer cannot be loaded from a missing checkpoint
         ),
