@@ -119,6 +119,9 @@ class LocalRun:
         except KeyboardInterrupt:
             status, error = "interrupted", "interrupted (Ctrl-C)"
             raise
+        except Exception as exc:
+            status, error = "failed", f"{type(exc).__name__}: {exc}"
+            raise
         finally:
             self._finish(status, error)
         return json.loads(self.plan.summary_path.read_text())
