@@ -5,7 +5,8 @@
    thread) vs a cache hit. Goals: miss <= 1.15x bare; hit >= 1000x faster than a miss.
 2. Multi-turn: 8 concurrent rollouts x 20 turns, one new image per turn, all rollouts sharing the first
    image, every request carrying every earlier ref. Materializations with the cache must equal the number
-   of unique images exactly; wall time uncached vs cached (goal >= 10x).
+   of unique images exactly; wall time uncached vs cached (goal >= 10x; the bound is lookups / unique
+   images = 1680 / 153 = 11.0x, reached only if hits cost nothing).
 3. One request with 8 images: concurrent vs sequential materialization latency.
 4. Capacity: entries per GiB for a 1280x720 screenshot (Qwen2-VL and Qwen3-VL processors), and the
    process RSS growth while filling a cache vs its byte budget.
@@ -204,8 +205,13 @@ def bench_multi_turn(store: OffloadStore, loaded: LoadedProcessor, size: tuple[i
         return took, int(materialized() - before)
 
     run(2**34)  # warm-up: page cache, worker threads
-    cached, cached_n = run(2**34)
-    uncached, uncached_n = run(0)
+
+    def best_of_three(cache_bytes: int) -> tuple[Clock, int]:
+        # The least disturbed of three runs: other processes share this machine.
+        return min((run(cache_bytes) for _ in range(3)), key=lambda result: result[0].wall)
+
+    cached, cached_n = best_of_three(2**34)
+    uncached, uncached_n = best_of_three(0)
     lookups = rollouts * turns * (turns + 1) // 2
     print(f"2. multi-turn: {rollouts} concurrent rollouts x {turns} turns, {size[0]}x{size[1]} screenshots")
     print(f"   lookups {lookups}, unique images {unique}")
@@ -295,10 +301,10 @@ def main() -> None:
         root = Path(tmp)
         store = OffloadStore(root / "offload")
         presets = {name: load_processor(processor_dir(root, name)) for name in ("qwen2_vl", "qwen3_vl")}
+        bench_capacity(store, presets, args.budget)  # first: the peak RSS it reports is this process's
         bench_per_image(store, presets["qwen2_vl"], args.rounds)
         bench_multi_turn(store, presets["qwen2_vl"], size)  # type: ignore[arg-type]
         bench_one_request(store, presets["qwen2_vl"], args.rounds)
-        bench_capacity(store, presets, args.budget)
 
 
 if __name__ == "__main__":
