@@ -11,7 +11,7 @@
 4. Capacity: entries per GiB for a 1280x720 screenshot (Qwen2-VL and Qwen3-VL processors), and the
    process RSS growth while filling a cache vs its byte budget.
 
-    .venv/bin/python bench/materialize.py [--rounds 5] [--turn-image 320x192]
+    .venv/bin/python bench/materialize.py [--rounds 15] [--turn-image 320x192] [--budget BYTES]
 """
 
 from __future__ import annotations

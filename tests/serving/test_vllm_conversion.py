@@ -7,6 +7,8 @@ with the Qwen2-VL / Kimi-K2.5 field configs), its batching, and its msgpack IPC 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,15 +20,30 @@ from rawmm.materialize import collate, get_adapter, load_processor, read_ref_ima
 from rawmm.serving.engine import ImageInput
 from rawmm.serving.schemas import Sampling
 
-pytestmark = pytest.mark.slow  # importing vllm takes ~10 s
+pytestmark = pytest.mark.slow  # importing vllm takes ~10 s: done in a fixture, not at collection
 
-vllm_inputs = pytest.importorskip("vllm.multimodal.inputs")
-from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItem, MultiModalKwargsItems  # noqa: E402
-from vllm.multimodal.utils import group_and_batch_mm_items  # noqa: E402
-from vllm.sampling_params import RequestOutputKind  # noqa: E402
-from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
-from rawmm.serving.vllm_engine import build_engine_input, to_sampling_params, to_vllm_item  # noqa: E402
+@pytest.fixture(scope="module")
+def vllm() -> SimpleNamespace:
+    """vLLM's multimodal API and our conversion (which imports vllm); skipped where vllm is not installed."""
+    pytest.importorskip("vllm.multimodal.inputs")
+    from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItem, MultiModalKwargsItems
+    from vllm.multimodal.utils import group_and_batch_mm_items
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from rawmm.serving import vllm_engine
+
+    return SimpleNamespace(
+        MultiModalFieldConfig=MultiModalFieldConfig,
+        MultiModalKwargsItem=MultiModalKwargsItem,
+        MultiModalKwargsItems=MultiModalKwargsItems,
+        group_and_batch_mm_items=group_and_batch_mm_items,
+        RequestOutputKind=RequestOutputKind,
+        MsgpackDecoder=MsgpackDecoder,
+        MsgpackEncoder=MsgpackEncoder,
+        engine=vllm_engine,
+    )
 
 
 def inputs_for(
@@ -60,32 +77,36 @@ def inputs_for(
 
 
 def vllm_reference_items(
-    inputs: list[ImageInput], grid_key: str, modality: str
-) -> list[MultiModalKwargsItem]:
+    vllm: SimpleNamespace, inputs: list[ImageInput], grid_key: str, modality: str
+) -> list[Any]:
     """What vLLM's own processor builds from the batched processor output of the same images."""
     batch = collate([i.item for i in inputs])
     config = {
-        "pixel_values": MultiModalFieldConfig.flat_from_sizes(modality, batch[grid_key].prod(-1)),
-        grid_key: MultiModalFieldConfig.batched(modality, keep_on_cpu=True),
+        "pixel_values": vllm.MultiModalFieldConfig.flat_from_sizes(modality, batch[grid_key].prod(-1)),
+        grid_key: vllm.MultiModalFieldConfig.batched(modality, keep_on_cpu=True),
     }
-    return list(MultiModalKwargsItems.from_hf_inputs(batch, config)[modality])
+    return list(vllm.MultiModalKwargsItems.from_hf_inputs(batch, config)[modality])
 
 
 @pytest.mark.parametrize("family", ["qwen_vl", "kimi_k25"])
 def test_items_match_what_vllms_own_processor_builds(
-    family: str, tiny_qwen2_vl: Path, kimi_checkpoint: Path, offload_store: OffloadStore
+    vllm: SimpleNamespace,
+    family: str,
+    tiny_qwen2_vl: Path,
+    kimi_checkpoint: Path,
+    offload_store: OffloadStore,
 ) -> None:
     loaded = load_processor(tiny_qwen2_vl if family == "qwen_vl" else kimi_checkpoint)
     grid_key = get_adapter(family).grid_key
     modality = loaded.family.engine_modality
     inputs = inputs_for(offload_store, loaded, [(60, 40), (100, 30), (33, 90)])
-    ours = [to_vllm_item(i.item) for i in inputs]
-    reference = vllm_reference_items(inputs, grid_key, modality)
+    ours = [vllm.engine.to_vllm_item(i.item) for i in inputs]
+    reference = vllm_reference_items(vllm, inputs, grid_key, modality)
     assert ours == reference  # data equal and same field kinds, element by element
     for mine, theirs in zip(ours, reference, strict=True):
         assert mine[grid_key].field.keep_on_cpu and theirs[grid_key].field.keep_on_cpu
     # vLLM's batching of our items gives the model exactly the kwargs the trainer builds.
-    ((count, batched),) = list(group_and_batch_mm_items(ours))
+    ((count, batched),) = list(vllm.group_and_batch_mm_items(ours))
     assert count == len(inputs)
     expected = collate([i.item for i in inputs])
     assert set(batched) == set(expected)
@@ -94,17 +115,19 @@ def test_items_match_what_vllms_own_processor_builds(
 
 
 @pytest.mark.filterwarnings("ignore:The given buffer is not writable")
-def test_items_survive_vllms_ipc_serialization(tiny_qwen2_vl: Path, offload_store: OffloadStore) -> None:
+def test_items_survive_vllms_ipc_serialization(
+    vllm: SimpleNamespace, tiny_qwen2_vl: Path, offload_store: OffloadStore
+) -> None:
     (image,) = inputs_for(offload_store, load_processor(tiny_qwen2_vl), [(64, 48)])
-    item = to_vllm_item(image.item)
-    buffers = MsgpackEncoder(size_threshold=2**62).encode(item)
-    decoded = MsgpackDecoder(t=MultiModalKwargsItem).decode(buffers[0])
+    item = vllm.engine.to_vllm_item(image.item)
+    buffers = vllm.MsgpackEncoder(size_threshold=2**62).encode(item)
+    decoded = vllm.MsgpackDecoder(t=vllm.MultiModalKwargsItem).decode(buffers[0])
     assert decoded == item
     assert decoded["image_grid_thw"].field.keep_on_cpu
 
 
 def test_qwen_engine_input_keeps_the_prompt_and_carries_hashes_and_placeholders(
-    tiny_qwen2_vl: Path, offload_store: OffloadStore
+    vllm: SimpleNamespace, tiny_qwen2_vl: Path, offload_store: OffloadStore
 ) -> None:
     loaded = load_processor(tiny_qwen2_vl)
     inputs = inputs_for(offload_store, loaded, [(60, 40), (100, 30)])
@@ -112,7 +135,7 @@ def test_qwen_engine_input_keeps_the_prompt_and_carries_hashes_and_placeholders(
     prompt = [1, 2, 3, 4]
     for image in inputs:
         prompt += [pad] * image.feature.length + [7, 8, 9]
-    engine_input = build_engine_input(prompt, inputs, loaded)
+    engine_input = vllm.engine.build_engine_input(prompt, inputs, loaded)
     assert engine_input["type"] == "multimodal"
     assert engine_input["prompt_token_ids"] == prompt
     assert engine_input["mm_hashes"] == {"image": [i.feature.ref.mm_hash for i in inputs]}
@@ -123,14 +146,14 @@ def test_qwen_engine_input_keeps_the_prompt_and_carries_hashes_and_placeholders(
 
 
 def test_kimi_single_placeholders_expand_to_one_token_per_vision_embedding(
-    kimi_checkpoint: Path, offload_store: OffloadStore
+    vllm: SimpleNamespace, kimi_checkpoint: Path, offload_store: OffloadStore
 ) -> None:
     loaded = load_processor(kimi_checkpoint)
     inputs = inputs_for(offload_store, loaded, [(60, 40), (100, 30)], first_offset=2)
     assert [i.feature.length for i in inputs] == [1, 1]
     pad = 9000
     prompt = [1, 2, pad, 7, 8, 9, pad, 7, 8, 9]
-    engine_input = build_engine_input(prompt, inputs, loaded)
+    engine_input = vllm.engine.build_engine_input(prompt, inputs, loaded)
     counts = [int(i.item.tensors["grid_thws"].prod()) // 4 for i in inputs]
     assert engine_input["prompt_token_ids"] == [
         1,
@@ -149,10 +172,10 @@ def test_kimi_single_placeholders_expand_to_one_token_per_vision_embedding(
     assert list(engine_input["mm_kwargs"]) == ["vision_chunk"]
 
 
-def test_text_only_prompts_and_sampling_params() -> None:
-    text_only = build_engine_input([5, 6, 7], [], processor=None)  # type: ignore[arg-type]
+def test_text_only_prompts_and_sampling_params(vllm: SimpleNamespace) -> None:
+    text_only = vllm.engine.build_engine_input([5, 6, 7], [], processor=None)  # type: ignore[arg-type]
     assert text_only["type"] == "token" and text_only["prompt_token_ids"] == [5, 6, 7]
-    params = to_sampling_params(Sampling(max_tokens=7, temperature=0.5, top_p=0.9, seed=3))
+    params = vllm.engine.to_sampling_params(Sampling(max_tokens=7, temperature=0.5, top_p=0.9, seed=3))
     assert (params.max_tokens, params.temperature, params.top_p, params.seed) == (7, 0.5, 0.9, 3)
     assert params.logprobs == 0  # the sampled token's own logprob
-    assert params.output_kind == RequestOutputKind.FINAL_ONLY
+    assert params.output_kind == vllm.RequestOutputKind.FINAL_ONLY
