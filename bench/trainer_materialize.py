@@ -118,21 +118,28 @@ def build_samples(config, layout: str, size: tuple[int, int]) -> list:  # noqa: 
     return samples
 
 
-def time_materialization(
-    loaded, roots, micro_batches, *, dedupe: bool, repeats: int
-) -> tuple[int, int, float]:  # noqa: ANN001
-    """(image refs, images materialized, fastest seconds) for one step's micro-batches."""
+def time_materialization(loaded, roots, micro_batches, repeats: int) -> dict[bool, tuple[int, int, float]]:  # noqa: ANN001
+    """dedupe on/off -> (image refs, images materialized, fastest seconds) for one step's micro-batches.
+
+    The two variants alternate within each repeat so that load from other processes hits both alike."""
     from rawmm.rl.materializer import RawImageMaterializer
 
-    materializer = RawImageMaterializer(loaded, roots=roots, missing_image_policy="error", dedupe=dedupe)
-    seconds = []
+    materializers = {
+        dedupe: RawImageMaterializer(loaded, roots=roots, missing_image_policy="error", dedupe=dedupe)
+        for dedupe in (True, False)
+    }
+    seconds: dict[bool, list[float]] = {True: [], False: []}
     for step in range(repeats):
-        materializer.begin_step(step)
-        started = time.perf_counter()
-        for mb in micro_batches:
-            materializer.materialize(mb)
-        seconds.append(time.perf_counter() - started)
-    return materializer.stats.images, materializer.stats.materialized, min(seconds)
+        for dedupe, materializer in materializers.items():
+            materializer.begin_step(step)
+            started = time.perf_counter()
+            for mb in micro_batches:
+                materializer.materialize(mb)
+            seconds[dedupe].append(time.perf_counter() - started)
+    return {
+        dedupe: (m.stats.images, m.stats.materialized, min(seconds[dedupe]))
+        for dedupe, m in materializers.items()
+    }
 
 
 def main() -> None:
@@ -180,12 +187,8 @@ def main() -> None:
             micro_batches = pack_samples(samples, config.trainer.micro_batch_tokens)
             unique = len({r.mm_hash for s in samples for r in s.mm_refs})
             roots = [config.offload_dir]
-            refs, with_n, with_s = time_materialization(
-                loaded, roots, micro_batches, dedupe=True, repeats=args.repeats
-            )
-            _, without_n, without_s = time_materialization(
-                loaded, roots, micro_batches, dedupe=False, repeats=args.repeats
-            )
+            timings = time_materialization(loaded, roots, micro_batches, args.repeats)
+            (refs, with_n, with_s), (_, without_n, without_s) = timings[True], timings[False]
             print(
                 f"{layout:>9} {len(samples):>7} {refs:>5} {unique:>6} {refs / unique:>11.2f} | "
                 f"{with_n:>14} {with_s:>6.2f} | {without_n:>17} {without_s:>6.2f} | {without_s / with_s:>10.2f}"
