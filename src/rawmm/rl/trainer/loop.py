@@ -115,11 +115,12 @@ class Trainer:
                 stats.missing,
             ],
             dtype=torch.float64,
+            device=self.dist.device,  # NCCL reduces only device tensors
         )
         step_tokens, images, images_materialized, missing = (int(v) for v in all_reduce_sum(local))
 
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros(2, dtype=torch.float64)  # loss, clipped tokens
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=self.dist.device)  # loss, clipped tokens
         for m in materialized:
             loss_sum += self._backward(m, step_tokens)
         all_reduce_gradients(self.parameters)
@@ -164,7 +165,7 @@ class Trainer:
             step_tokens=step_tokens,
         )
         parts.loss.backward()
-        return torch.tensor([parts.loss.item(), parts.clipped_tokens], dtype=torch.float64)
+        return torch.tensor([parts.loss.item(), parts.clipped_tokens], dtype=torch.float64, device=device)
 
     def _checkpoint(self, step: int) -> Path:
         target = checkpoint_dir(self.config.checkpoints_dir, step)
