@@ -60,6 +60,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
     _versions: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
     # (HTTP method, plural) -> how many of the next such requests fail with 503 (see `fail_next`)
     _failures: dict[tuple[str, str], int] = attrs.field(factory=dict, init=False)
+    # Every request served, for assertions. kmock's own request list is kept to the requests in flight:
+    # its dispatch scans that list on every request, which gets quadratic over a long test or benchmark.
+    served: list[kmock.Request] = attrs.field(factory=list, init=False)
+    _in_flight: set[int] = attrs.field(factory=set, init=False)
 
     def fail_next(self, method: str, plural: str, times: int = 1) -> None:
         """Answer the next `times` requests of this method on this resource with 503, storing nothing."""
@@ -82,6 +86,15 @@ class KubeEmulator(kmock.KubernetesEmulator):
         return None
 
     async def _handle(self, request: kmock.Request) -> Any:
+        self.served.append(request)
+        self._in_flight.add(id(request))
+        self._requests[:] = [r for r in self._requests if id(r) in self._in_flight]
+        try:
+            return await self._emulate(request)
+        finally:
+            self._in_flight.discard(id(request))
+
+    async def _emulate(self, request: kmock.Request) -> Any:
         failure = (str(request.method.value), request.resource.plural if request.resource else "")
         if self._failures.get(failure, 0) > 0:
             self._failures[failure] -= 1
@@ -181,7 +194,7 @@ class Cluster:
 
     def requests(self, method: str) -> list[kmock.Request]:
         """Every request served so far with this HTTP method."""
-        return [request for request in self.emulator if request.method == method]
+        return [request for request in self.emulator.served if request.method == method]
 
     def objects(self, resource: str, namespace: str | None = None) -> list[dict[str, Any]]:
         wanted = kmock.resource(resource)
