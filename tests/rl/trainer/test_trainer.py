@@ -29,6 +29,8 @@ def test_step_trains_towards_positive_advantages_and_checkpoints(rollouts, tiny_
     [result] = trainer.run(1, batch_timeout=5)
 
     assert result.step == 1 and torch.isfinite(torch.tensor(result.loss))
+    # The batch's logprobs came from this very model and pixels: the trainer reproduces them.
+    assert result.logprob_diff_mean < 1e-4 and result.clipped_fraction == 0.0
     # 2 shared prompt images + 2 zoom images referenced 6 times: each is read and processed once.
     assert (result.images, result.images_materialized, result.missing_images) == (6, 4, 0)
     assert result.loss_tokens == sum(sum(s.loss_mask) for s in samples)

@@ -37,6 +37,7 @@ class StepResult:
     tokens: int
     loss_tokens: int
     clipped_fraction: float
+    logprob_diff_mean: float  # mean |trainer - engine| logprob over loss tokens (see LossParts)
     grad_norm: float
     images: int
     images_materialized: int
@@ -120,7 +121,8 @@ class Trainer:
         step_tokens, images, images_materialized, missing = (int(v) for v in all_reduce_sum(local))
 
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros(2, dtype=torch.float64, device=self.dist.device)  # loss, clipped tokens
+        # loss, clipped tokens, |logprob diff| sum
+        loss_sum = torch.zeros(3, dtype=torch.float64, device=self.dist.device)
         for m in materialized:
             loss_sum += self._backward(m, step_tokens)
         all_reduce_gradients(self.parameters)
@@ -137,6 +139,7 @@ class Trainer:
             tokens=sum(len(s) for s in samples),
             loss_tokens=step_tokens,
             clipped_fraction=float(loss_sum[1]) / max(step_tokens, 1),
+            logprob_diff_mean=float(loss_sum[2]) / max(step_tokens, 1),
             grad_norm=float(grad_norm),
             images=images,
             images_materialized=images_materialized,
@@ -165,7 +168,11 @@ class Trainer:
             step_tokens=step_tokens,
         )
         parts.loss.backward()
-        return torch.tensor([parts.loss.item(), parts.clipped_tokens], dtype=torch.float64, device=device)
+        return torch.tensor(
+            [parts.loss.item(), parts.clipped_tokens, parts.abs_logprob_diff],
+            dtype=torch.float64,
+            device=device,
+        )
 
     def _checkpoint(self, step: int) -> Path:
         target = checkpoint_dir(self.config.checkpoints_dir, step)

@@ -15,6 +15,9 @@ class LossParts:
     loss: torch.Tensor
     clipped_tokens: int
     tokens: int
+    # Sum over loss tokens of |new - old| logprob: near 0 on-policy unless the trainer and the engine
+    # disagree (other pixels, other numerics) — the first thing to look at when training goes wrong.
+    abs_logprob_diff: float
 
 
 def policy_gradient_loss(
@@ -38,4 +41,7 @@ def policy_gradient_loss(
     per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
     loss = per_token.masked_fill(~mask, 0.0).sum() / max(step_tokens, 1)
     clipped = ((ratio * advantages) > (clipped_ratio * advantages)) & mask
-    return LossParts(loss=loss, clipped_tokens=int(clipped.sum()), tokens=int(mask.sum()))
+    abs_diff = (new_logprobs - old_logprobs).detach().abs().masked_fill(~mask, 0.0).sum()
+    return LossParts(
+        loss=loss, clipped_tokens=int(clipped.sum()), tokens=int(mask.sum()), abs_logprob_diff=float(abs_diff)
+    )
