@@ -35,6 +35,7 @@ WATCHED_CHILDREN = (
 class LoopTiming:
     resync_seconds: float = 30.0
     error_backoffs: tuple[float, ...] = (1, 2, 5, 10, 30, 60)
+    progress_seconds: float = 15.0  # least time between scrapes of a run's pods (trainer step, hit rate)
 
 
 DEFAULT_TIMING = LoopTiming()
@@ -131,6 +132,7 @@ def build_registry(
         finally:
             wakeups.pop(key, None)
             phases.forget(key)
+            reconciler.forget(namespace, name)
 
     return registry
 

@@ -39,7 +39,9 @@ async def run_operator(
     ready_flag: asyncio.Event | threading.Event | None = None,
 ) -> None:
     """Run until `stop_flag` is set (or a signal): cluster-wide unless `namespaces` are given."""
-    reconciler = Reconciler(KubeApi(api_client), pod_monitor=pod_monitor)
+    reconciler = Reconciler(
+        KubeApi(api_client), pod_monitor=pod_monitor, progress_interval=timing.progress_seconds
+    )
     registry = build_registry(reconciler, login=login, timing=timing)
     await kopf.operator(
         registry=registry,

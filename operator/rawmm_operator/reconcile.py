@@ -6,6 +6,8 @@ Synchronous and free of kopf, so it can be driven by the operator's per-run loop
 from __future__ import annotations
 
 import datetime
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,10 +16,12 @@ from pydantic import ValidationError
 from rawmm_operator import builders
 from rawmm_operator.builders import RunRef
 from rawmm_operator.kube import ApiError, KubeApi, apply, merge_patch
+from rawmm_operator.progress import ProgressReader
 from rawmm_operator.spec import KIND, InvalidSpec, RLRunSpec, parse_spec
 from rawmm_operator.status import (
     TERMINAL_PHASES,
     Observed,
+    Progress,
     RLRunStatus,
     Transition,
     derive_status,
@@ -50,10 +54,33 @@ def _read_status(body: dict[str, Any]) -> RLRunStatus:
 
 class Reconciler:
     def __init__(
-        self, api: KubeApi, *, pod_monitor: builders.PodMonitorSettings = DEFAULT_POD_MONITOR
+        self,
+        api: KubeApi,
+        *,
+        pod_monitor: builders.PodMonitorSettings = DEFAULT_POD_MONITOR,
+        progress_interval: float = 15.0,
     ) -> None:
         self.api = api
         self.pod_monitor = pod_monitor
+        self.progress = ProgressReader(api)
+        # Scrape a run's pods at most this often: the hit rate is taken between two scrapes.
+        self.progress_interval = progress_interval
+        self._last_progress: dict[tuple[str, str], float] = {}
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop what is remembered about a run that is gone (or no longer ours)."""
+        self._last_progress.pop((namespace, name), None)
+        self.progress.forget(namespace, name)
+
+    def _read_progress(self, run: RunRef, previous: RLRunStatus) -> Progress | None:
+        key = (run.namespace, run.name)
+        moment = time.monotonic()
+        if moment - self._last_progress.get(key, -math.inf) < self.progress_interval:
+            return None
+        self._last_progress[key] = moment
+        return self.progress.read(
+            run.namespace, run.name, Progress(previous.trainer_step, previous.cache_hit_rate)
+        )
 
     def reconcile(self, namespace: str, name: str) -> Outcome | None:
         """Converge the run; None when it is gone or being deleted. Raises `ApiError` on API failures."""
@@ -118,7 +145,12 @@ class Reconciler:
             outcome.actions[f"{key[0]}/{key[1]}"] = applied.action
 
         status = derive_status(
-            suspend=spec.suspend, generation=generation, observed=observed(), previous=previous, now=now
+            suspend=spec.suspend,
+            generation=generation,
+            observed=observed(),
+            previous=previous,
+            now=now,
+            progress=self._read_progress(run, previous),
         )
         self._write_status(body, status)
         outcome.status = status

@@ -94,6 +94,14 @@ class Observed:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """What the run's pods report about themselves (None = not known)."""
+
+    trainer_step: int | None = None
+    cache_hit_rate: float | None = None
+
+
+@dataclass(frozen=True)
 class Transition:
     """A change worth a Kubernetes event on the RLRun."""
 
@@ -138,9 +146,12 @@ def derive_status(
     observed: Observed,
     previous: RLRunStatus,
     now: str,
+    progress: Progress | None = None,
 ) -> RLRunStatus:
-    """The whole status from the observed children. Terminal phases stick; transition times are kept
-    for conditions whose status did not change."""
+    """The whole status from the observed children (and, when given, what the pods reported; else
+    the previous values). Terminal phases stick; transition times are kept for conditions whose
+    status did not change."""
+    progress = progress or Progress(previous.trainer_step, previous.cache_hit_rate)
     claim_phase = ((observed.claim or {}).get("status") or {}).get("phase")
     volume_ok = claim_phase == "Bound"
     if observed.claim is None:
@@ -221,8 +232,8 @@ def derive_status(
         engines=engines,
         orchestrator=orchestrator,
         trainer=trainer,
-        trainer_step=previous.trainer_step,
-        cache_hit_rate=previous.cache_hit_rate,
+        trainer_step=progress.trainer_step,
+        cache_hit_rate=progress.cache_hit_rate,
         start_time=previous.start_time or now,
         completion_time=previous.completion_time or (now if phase in TERMINAL_PHASES else None),
         conditions=[

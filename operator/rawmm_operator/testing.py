@@ -226,7 +226,7 @@ def fast_settings() -> kopf.OperatorSettings:
     return settings
 
 
-FAST_TIMING = LoopTiming(resync_seconds=2.0, error_backoffs=(0.1, 0.2, 0.5))
+FAST_TIMING = LoopTiming(resync_seconds=2.0, error_backoffs=(0.1, 0.2, 0.5), progress_seconds=0.0)
 
 
 @contextlib.asynccontextmanager

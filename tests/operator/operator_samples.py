@@ -1,9 +1,18 @@
-"""RLRun specs shared by the operator tests: the issue's example and the shapes a cluster runs."""
+"""RLRun specs shared by the operator tests (the issue's example and the shapes a cluster runs), and
+helpers to create runs and wait on the emulator's state."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import time
+from collections.abc import Callable
 from typing import Any
+
+from rawmm_operator.testing import Cluster
+
+RLRUNS = "rawmm.dev/v1alpha1/rlruns"
+RLRUNS_URL = "/apis/rawmm.dev/v1alpha1/namespaces/ml/rlruns"
 
 ISSUE_EXAMPLE: dict[str, Any] = {
     "model": {
@@ -157,3 +166,19 @@ def merged(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = copy.deepcopy(value)
     return out
+
+
+async def eventually(check: Callable[[], Any], *, timeout: float = 15.0, what: str = "") -> Any:
+    """Wait until `check()` returns something truthy (polling the in-memory emulator)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or check}")
+        await asyncio.sleep(0.02)
+
+
+def run_status(cluster: Cluster, name: str = "exp") -> dict[str, Any]:
+    return (cluster.object(RLRUNS, "ml", name) or {}).get("status") or {}

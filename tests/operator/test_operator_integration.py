@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from operator_samples import CPU_ONLY, ISSUE_EXAMPLE, merged, rlrun
+from operator_samples import (
+    CPU_ONLY,
+    ISSUE_EXAMPLE,
+    RLRUNS,
+    RLRUNS_URL,
+    eventually,
+    merged,
+    rlrun,
+    run_status,
+)
 from prometheus_client import REGISTRY
 from rawmm_operator.handlers import LoopTiming
 from rawmm_operator.testing import Cluster, emulated_cluster, running_operator
 
 pytestmark = pytest.mark.cluster
 
-RLRUNS = "rawmm.dev/v1alpha1/rlruns"
-RLRUNS_URL = "/apis/rawmm.dev/v1alpha1/namespaces/ml/rlruns"
 CHILDREN = {
     ("v1/persistentvolumeclaims", "exp-offload"),
     ("v1/configmaps", "exp-config"),
@@ -28,18 +34,6 @@ CHILDREN = {
     ("monitoring.coreos.com/v1/podmonitors", "exp"),
 }
 OWNED = CHILDREN - {("v1/persistentvolumeclaims", "exp-offload")}
-
-
-async def eventually(check: Callable[[], Any], *, timeout: float = 15.0, what: str = "") -> Any:
-    """Wait until `check()` returns something truthy (polling the in-memory emulator)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or check}")
-        await asyncio.sleep(0.02)
 
 
 def metric(name: str, **labels: str) -> float:
@@ -62,10 +56,6 @@ async def patch(cluster: Cluster, url: str, body: dict[str, Any]) -> None:
     headers = {"Content-Type": "application/merge-patch+json"}
     response = await cluster.emulator.patch(url, json=body, headers=headers)
     assert response.status < 300, await response.text()
-
-
-def run_status(cluster: Cluster, name: str = "exp") -> dict[str, Any]:
-    return (cluster.object(RLRUNS, "ml", name) or {}).get("status") or {}
 
 
 def phase_is(cluster: Cluster, phase: str, name: str = "exp") -> Callable[[], bool]:

@@ -1,0 +1,101 @@
+"""Run progress for the status: the trainer's step and the engines' cache hit rate, read from the
+pods' own Prometheus endpoints (the operator needs no Prometheus for its printer columns).
+
+The hit rate is a rate like everywhere else (DESIGN §7): hits over lookups between the two latest
+scrapes, never the ratio of the cumulative counters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from rawmm_operator.builders import COMPONENT_LABEL, RUN_LABEL
+from rawmm_operator.kube import KubeApi
+from rawmm_operator.status import Progress
+
+TRAINER_STEP = "rawmm_trainer_step"
+CACHE_HITS = "rawmm_materialize_cache_hits_total"
+CACHE_MISSES = "rawmm_materialize_cache_misses_total"
+
+
+def metrics_url(pod: dict[str, Any], port_name: str) -> str | None:
+    """The pod's /metrics URL on its named port, if it runs and has an IP."""
+    status = pod.get("status") or {}
+    if status.get("phase") != "Running" or not status.get("podIP"):
+        return None
+    for container in pod.get("spec", {}).get("containers", []):
+        for port in container.get("ports", []):
+            if port.get("name") == port_name:
+                return f"http://{status['podIP']}:{port['containerPort']}/metrics"
+    return None
+
+
+def sample_sums(text: str, names: set[str]) -> dict[str, float]:
+    """Sum of every sample of each wanted metric in a Prometheus text exposition."""
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    return sums
+
+
+@dataclass
+class _Lookups:
+    hits: float
+    misses: float
+
+
+class ProgressReader:
+    """Scrapes a run's trainer and engine pods; remembers the last cache counters per run."""
+
+    def __init__(self, api: KubeApi, *, timeout: float = 2.0) -> None:
+        self.api = api
+        self.timeout = timeout
+        self._last: dict[tuple[str, str], _Lookups] = {}
+
+    def forget(self, namespace: str, run: str) -> None:
+        self._last.pop((namespace, run), None)
+
+    def _scrape(self, client: httpx.Client, urls: list[str], names: set[str]) -> list[dict[str, float]]:
+        results = []
+        for url in urls:
+            try:
+                response = client.get(url)
+                response.raise_for_status()
+                results.append(sample_sums(response.text, names))
+            except (httpx.HTTPError, ValueError):
+                continue  # a pod that is starting or going away: the next pass tries again
+        return results
+
+    def read(self, namespace: str, run: str, previous: Progress) -> Progress:
+        pods = self.api.list("Pod", namespace, {RUN_LABEL: run})
+        by_component: dict[str, list[str]] = {"engine": [], "trainer": []}
+        for pod in pods:
+            component = pod.get("metadata", {}).get("labels", {}).get(COMPONENT_LABEL)
+            url = metrics_url(pod, "http" if component == "engine" else "metrics")
+            if component in by_component and url:
+                by_component[component].append(url)
+        with httpx.Client(timeout=self.timeout) as client:
+            trainer = self._scrape(client, by_component["trainer"], {TRAINER_STEP})
+            engines = self._scrape(client, by_component["engine"], {CACHE_HITS, CACHE_MISSES})
+        steps = [int(r[TRAINER_STEP]) for r in trainer if TRAINER_STEP in r]
+        step = max(steps) if steps else previous.trainer_step
+        rate = previous.cache_hit_rate
+        if engines:
+            now = _Lookups(
+                sum(r.get(CACHE_HITS, 0.0) for r in engines), sum(r.get(CACHE_MISSES, 0.0) for r in engines)
+            )
+            before = self._last.get((namespace, run))
+            self._last[(namespace, run)] = now
+            if before is not None:
+                hits, misses = now.hits - before.hits, now.misses - before.misses
+                if hits < 0 or misses < 0:  # an engine restarted: its counters began again
+                    hits, misses = now.hits, now.misses
+                if hits + misses > 0:
+                    rate = round(hits / (hits + misses), 4)
+        return Progress(trainer_step=step, cache_hit_rate=rate)

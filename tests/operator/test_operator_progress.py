@@ -1,0 +1,122 @@
+"""Trainer step and cache hit rate read from the run's pods into the RLRun status."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from operator_samples import CPU_ONLY, RLRUNS_URL, eventually, rlrun, run_status
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from rawmm_operator.handlers import LoopTiming
+from rawmm_operator.progress import CACHE_HITS, metrics_url, sample_sums
+from rawmm_operator.testing import Cluster, emulated_cluster, running_operator
+
+
+def test_sample_sums_add_up_every_label_set() -> None:
+    text = (
+        "# TYPE rawmm_materialize_cache_hits counter\n"
+        'rawmm_materialize_cache_hits_total{replica="0"} 3.0\n'
+        'rawmm_materialize_cache_hits_total{replica="1"} 4.0\n'
+        "rawmm_materialize_cache_misses_total 2.0\n"
+    )
+    assert sample_sums(text, {CACHE_HITS}) == {CACHE_HITS: 7.0}
+
+
+@pytest.mark.parametrize(
+    ("status", "url"),
+    [
+        ({"phase": "Running", "podIP": "10.0.0.7"}, "http://10.0.0.7:9102/metrics"),
+        ({"phase": "Pending", "podIP": "10.0.0.7"}, None),
+        ({"phase": "Running"}, None),
+    ],
+)
+def test_metrics_url_of_a_running_pod(status: dict[str, Any], url: str | None) -> None:
+    pod = {
+        "spec": {"containers": [{"ports": [{"name": "metrics", "containerPort": 9102}]}]},
+        "status": status,
+    }
+    assert metrics_url(pod, "metrics") == url
+
+
+class Exporter:
+    """A real Prometheus endpoint on loopback standing in for one pod."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.server, self.thread = start_http_server(0, addr="127.0.0.1", registry=self.registry)
+        self.port = self.server.server_port
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+@contextlib.contextmanager
+def exporters(count: int) -> Iterator[list[Exporter]]:
+    started = [Exporter() for _ in range(count)]
+    try:
+        yield started
+    finally:
+        for exporter in started:
+            exporter.close()
+
+
+def pod(name: str, component: str, port_name: str, port: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "labels": {"rawmm.dev/run": "exp", "app.kubernetes.io/component": component},
+        },
+        "spec": {
+            "containers": [
+                {"name": component, "image": "x", "ports": [{"name": port_name, "containerPort": port}]}
+            ]
+        },
+        "status": {"phase": "Running", "podIP": "127.0.0.1"},
+    }
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Cluster]:
+    async with emulated_cluster() as running:
+        yield running
+
+
+@pytest.mark.cluster
+async def test_status_shows_trainer_step_and_cache_hit_rate_between_scrapes(cluster: Cluster) -> None:
+    with exporters(3) as (engine_0, engine_1, trainer):
+        hits = [
+            Counter("rawmm_materialize_cache_hits", "", registry=e.registry) for e in (engine_0, engine_1)
+        ]
+        misses = [
+            Counter("rawmm_materialize_cache_misses", "", registry=e.registry) for e in (engine_0, engine_1)
+        ]
+        step = Gauge("rawmm_trainer_step", "", registry=trainer.registry)
+        step.set(7)
+        for counter in (*hits, *misses):
+            counter.inc(10)  # cumulative 50% before the operator looks: must not be reported as the rate
+        for body in (
+            pod("exp-engine-0", "engine", "http", engine_0.port),
+            pod("exp-engine-1", "engine", "http", engine_1.port),
+            pod("exp-trainer-0-abcde", "trainer", "metrics", trainer.port),
+        ):
+            response = await cluster.emulator.post("/api/v1/namespaces/ml/pods", json=body)
+            assert response.status < 300
+
+        timing = LoopTiming(resync_seconds=0.2, error_backoffs=(0.1,), progress_seconds=0.0)
+        async with running_operator(cluster, timing=timing):
+            response = await cluster.emulator.post(RLRUNS_URL, json=rlrun("exp", CPU_ONLY))
+            assert response.status < 300
+            await eventually(lambda: run_status(cluster).get("trainerStep") == 7, what="the trainer step")
+            assert run_status(cluster).get("cacheHitRate") is None  # one scrape: no rate yet
+            hits[0].inc(20)
+            hits[1].inc(10)
+            misses[1].inc(10)  # since the first scrape: 30 hits of 40 lookups
+            await eventually(lambda: run_status(cluster).get("cacheHitRate") == 0.75, what="the hit rate")
+            step.set(8)
+            await eventually(lambda: run_status(cluster).get("trainerStep") == 8)
