@@ -2,7 +2,8 @@
 pods' own Prometheus endpoints (the operator needs no Prometheus for its printer columns).
 
 The hit rate is a rate like everywhere else (DESIGN §7): hits over lookups between the two latest
-scrapes, never the ratio of the cumulative counters.
+scrapes, never the ratio of the cumulative counters. Lookups are hits + misses + in-flight joins, as
+the cache itself counts them (and the chart's alert).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rawmm_operator.status import Progress
 TRAINER_STEP = "rawmm_trainer_step"
 CACHE_HITS = "rawmm_materialize_cache_hits_total"
 CACHE_MISSES = "rawmm_materialize_cache_misses_total"
+CACHE_JOINS = "rawmm_materialize_cache_inflight_joins_total"
 
 
 def metrics_url(pod: dict[str, Any], port_name: str) -> str | None:
@@ -47,7 +49,7 @@ def sample_sums(text: str, names: set[str]) -> dict[str, float]:
 @dataclass
 class _Lookups:
     hits: float
-    misses: float
+    lookups: float
 
 
 class ProgressReader:
@@ -82,20 +84,20 @@ class ProgressReader:
                 by_component[component].append(url)
         with httpx.Client(timeout=self.timeout) as client:
             trainer = self._scrape(client, by_component["trainer"], {TRAINER_STEP})
-            engines = self._scrape(client, by_component["engine"], {CACHE_HITS, CACHE_MISSES})
+            engines = self._scrape(client, by_component["engine"], {CACHE_HITS, CACHE_MISSES, CACHE_JOINS})
         steps = [int(r[TRAINER_STEP]) for r in trainer if TRAINER_STEP in r]
         step = max(steps) if steps else previous.trainer_step
         rate = previous.cache_hit_rate
         if engines:
-            now = _Lookups(
-                sum(r.get(CACHE_HITS, 0.0) for r in engines), sum(r.get(CACHE_MISSES, 0.0) for r in engines)
-            )
+            hits = sum(r.get(CACHE_HITS, 0.0) for r in engines)
+            lookups = hits + sum(r.get(CACHE_MISSES, 0.0) + r.get(CACHE_JOINS, 0.0) for r in engines)
+            now = _Lookups(hits, lookups)
             before = self._last.get((namespace, run))
             self._last[(namespace, run)] = now
             if before is not None:
-                hits, misses = now.hits - before.hits, now.misses - before.misses
-                if hits < 0 or misses < 0:  # an engine restarted: its counters began again
-                    hits, misses = now.hits, now.misses
-                if hits + misses > 0:
-                    rate = round(hits / (hits + misses), 4)
+                delta = _Lookups(now.hits - before.hits, now.lookups - before.lookups)
+                if delta.hits < 0 or delta.lookups < 0:  # an engine restarted: its counters began again
+                    delta = now
+                if delta.lookups > 0:
+                    rate = round(delta.hits / delta.lookups, 4)
         return Progress(trainer_step=step, cache_hit_rate=rate)

@@ -116,7 +116,8 @@ async def test_status_shows_trainer_step_and_cache_hit_rate_between_scrapes(clus
             assert run_status(cluster).get("cacheHitRate") is None  # one scrape: no rate yet
             hits[0].inc(20)
             hits[1].inc(10)
-            misses[1].inc(10)  # since the first scrape: 30 hits of 40 lookups
+            misses[1].inc(6)
+            joins.inc(4)  # since the first scrape: 30 hits of 40 lookups
             await eventually(lambda: run_status(cluster).get("cacheHitRate") == 0.75, what="the hit rate")
             step.set(8)
             await eventually(lambda: run_status(cluster).get("trainerStep") == 8)
