@@ -96,6 +96,7 @@ async def test_status_shows_trainer_step_and_cache_hit_rate_between_scrapes(clus
         misses = [
             Counter("rawmm_materialize_cache_misses", "", registry=e.registry) for e in (engine_0, engine_1)
         ]
+        joins = Counter("rawmm_materialize_cache_inflight_joins", "", registry=engine_0.registry)
         step = Gauge("rawmm_trainer_step", "", registry=trainer.registry)
         step.set(7)
         for counter in (*hits, *misses):
