@@ -230,15 +230,19 @@ def build_engine_statefulset(run: RunRef, spec: RLRunSpec, *, replicas: int) -> 
         "--offload-root", str(SHARED_MOUNT / "images"),
         "--processor-backend", spec.model.processor_backend,
     ]  # fmt: skip
-    if inference.tensor_parallel_size > 1:
-        args += ["--tensor-parallel-size", str(inference.tensor_parallel_size)]
     if spec.model.trust_remote_code:
         args.append("--trust-remote-code")
+    # vLLM's own arguments follow `--` (`rawmm serve` hands them to vLLM's server).
+    vllm_args = list(inference.extra_args)
+    if inference.tensor_parallel_size > 1:
+        vllm_args = ["--tensor-parallel-size", str(inference.tensor_parallel_size), *vllm_args]
+    if vllm_args:
+        args += ["--", *vllm_args]
     container = {
         "name": "engine",
         "image": inference.image,
         "command": ["rawmm"],
-        "args": args + list(inference.extra_args),
+        "args": args,
         "env": [
             {"name": "RAWMM_MATERIALIZE_CACHE_SIZE", "value": inference.materialize_cache_size},
             *COMMON_ENV,

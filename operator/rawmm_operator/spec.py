@@ -175,6 +175,11 @@ class InferenceSpec(Scheduling, InferenceSettings):
             holds=lambda s: s.engine != "vllm" or s.gpus >= 1,
         ),
         Rule(
+            cel="self.engine == 'vllm' || (self.tensorParallelSize == 1 && size(self.extraArgs) == 0)",
+            message="tensorParallelSize > 1 and extraArgs are vLLM arguments: they need engine: vllm",
+            holds=lambda s: s.engine == "vllm" or (s.tensor_parallel_size == 1 and not s.extra_args),
+        ),
+        Rule(
             cel="self.tensorParallelSize <= (self.gpus > 0 ? self.gpus : 1)",
             message="tensorParallelSize cannot exceed the GPUs of one replica",
             holds=lambda s: s.tensor_parallel_size <= max(s.gpus, 1),
@@ -200,7 +205,9 @@ class InferenceSpec(Scheduling, InferenceSettings):
         cpu="4",
         memory="16Gi",
     )
-    extra_args: list[str] = Field(default_factory=list, description="appended to `rawmm serve`")
+    extra_args: list[str] = Field(
+        default_factory=list, description="extra vLLM server arguments (after `--` of `rawmm serve`)"
+    )
 
 
 class EnvironmentSpec(EnvironmentConfig):

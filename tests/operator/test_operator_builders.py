@@ -110,6 +110,7 @@ def test_engine_statefulset_serves_raw_refs_with_the_cache_budget() -> None:
     assert args[args.index("--model") + 1] == "Qwen/Qwen3-VL-4B-Instruct"
     assert args[args.index("--offload-root") + 1] == "/shared/images"
     assert args[args.index("--processor-backend") + 1] == "torchvision"
+    assert "--" not in args  # no vLLM arguments to pass on
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["RAWMM_MATERIALIZE_CACHE_SIZE"] == "4Gi"
     resources = container["resources"]
@@ -138,8 +139,8 @@ def test_multi_gpu_engines_get_gpus_tensor_parallelism_and_scheduling() -> None:
     pod = pod_spec(engines)
     (container,) = pod["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
-    assert container["args"][container["args"].index("--tensor-parallel-size") + 1] == "4"
-    assert container["args"][-2:] == ["--max-model-len", "32768"]
+    vllm_args = container["args"][container["args"].index("--") + 1 :]
+    assert vllm_args == ["--tensor-parallel-size", "4", "--max-model-len", "32768"]
     assert pod["nodeSelector"] == MULTI_GPU["inference"]["nodeSelector"]
     assert pod["tolerations"] == MULTI_GPU["inference"]["tolerations"]
     assert pod["affinity"] == MULTI_GPU["inference"]["affinity"]
@@ -258,3 +259,10 @@ def test_container_resources_add_the_extra_memory(
     out = container_resources(Resources(requests=requests, limits=limits), gpus=0, extra_memory_bytes=2**30)
     assert parse_byte_size(out["requests"]["memory"]) == expected_request
     assert parse_byte_size(out["limits"]["memory"]) == expected_limit
+
+
+def test_trust_remote_code_reaches_the_engine() -> None:
+    (engine,) = pod_spec(children(EXISTING_CLAIM)[("StatefulSet", "exp-engine")])["containers"]
+    assert "--trust-remote-code" in engine["args"]
+    (plain,) = pod_spec(children(ISSUE_EXAMPLE)[("StatefulSet", "exp-engine")])["containers"]
+    assert "--trust-remote-code" not in plain["args"]

@@ -44,6 +44,10 @@ def test_spec_is_camel_case_and_inherits_the_run_config_defaults() -> None:
         ({"inference": {"gpus": 0}}, "the vllm engine needs gpus >= 1"),
         ({"inference": {"gpus": 2, "tensorParallelSize": 4}}, "tensorParallelSize cannot exceed"),
         (
+            {"inference": {"engine": "transformers", "extraArgs": ["--enforce-eager"]}},
+            "they need engine: vllm",
+        ),
+        (
             {"inference": {"resources": {"requests": {"memory": "1e9"}}}},
             "resources.requests.memory must be bytes",
         ),
