@@ -143,3 +143,14 @@ def test_manifests_render_prints_the_children_of_an_rlrun(
     bad.write_text(yaml.safe_dump(rlrun("exp", {**ISSUE_EXAMPLE, "inference": {"gpus": 0}})))
     assert main(["manifests", "--render", str(bad)]) == 2
     assert "the vllm engine needs gpus >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_operator_imports_no_engine_or_trainer_code() -> None:
+    code = (
+        "import sys, rawmm_operator.main, rawmm_operator.testing, rawmm.commands.operator\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'transformers', 'vllm'}"
+        " or m.startswith(('rawmm.materialize', 'rawmm.serving', 'rawmm.rl', 'rawmm.contract')))\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
