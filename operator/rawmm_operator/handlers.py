@@ -110,9 +110,8 @@ def build_registry(
                         )
                         if failures == 1:
                             kopf.warn(body, reason="ReconcileError", message=str(exc))
-                        await asyncio.sleep(
-                            timing.error_backoffs[min(failures, len(timing.error_backoffs)) - 1]
-                        )
+                        backoff = timing.error_backoffs[min(failures, len(timing.error_backoffs)) - 1]
+                        await _sleep_until(None, stopped, backoff)
                         continue
                     failures = 0
                     if outcome is not None:

@@ -80,7 +80,6 @@ def event_reasons(cluster: Cluster) -> list[str]:
     return [e.get("reason") for e in cluster.objects("v1/events", "ml")]
 
 
-@pytest.mark.slow
 async def test_rlrun_lifecycle(cluster: Cluster) -> None:
     spec = merged(ISSUE_EXAMPLE, {"offload": {"retainOnDelete": True}})
     async with running_operator(cluster):
