@@ -1,4 +1,4 @@
-"""The built-in environments: questions about generated scenes of coloured shapes, exact-match reward.
+"""The built-in environments: questions about generated scenes of coloured shapes, verifiable rewards.
 
 - `shapes`: one image, one question (count, colour or position), one reply.
 - `shapes-multiturn`: a scene split into several views; each reply is an action (`next`, `zoom`,
@@ -6,6 +6,11 @@
   earlier image, so every request re-sends all of them: the workload the materialize cache is for.
   A reply that is no action shows the next view, so even a random policy produces one new image
   per turn.
+
+Both take `reward: exact | partial` (environment `args`; default `exact`, see `rawmm.rl.envs.rewards`).
+In `shapes-multiturn` every reply is an answer attempt: a rollout earns the score of its best attempt,
+paid as each reply improves on the best so far (so the rewards of its turns sum to that score). Under
+`exact` only `answer <target>` scores, and the rewards are those of a plain exact-match reward.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from PIL import Image
 
 from rawmm.rl.envs.base import Environment, Episode, Message, StepResult
 from rawmm.rl.envs.registry import register_environment
+from rawmm.rl.envs.rewards import check_reward_mode, score
 from rawmm.rl.envs.scene import COLOURS, GRID, Box, Shape, draw, random_panel
 
 _QUADRANTS = ("top-left", "top-right", "bottom-left", "bottom-right")
@@ -41,10 +47,6 @@ def extract_answer(reply: str) -> str:
         return normalize(match.group(1))
     words = reply.split()
     return normalize(words[0]) if words else ""
-
-
-def exact_match(reply: str, answer: str) -> float:
-    return 1.0 if extract_answer(reply) == answer else 0.0
 
 
 def image_message(image: Image.Image, text: str) -> Message:
@@ -76,34 +78,34 @@ def ask(rng: random.Random, shapes: list[Shape], views: int) -> tuple[str, str]:
 
 
 class ShapesEpisode(Episode):
-    def __init__(self, seed: int, image_size: int, max_shapes: int) -> None:
+    def __init__(self, seed: int, image_size: int, max_shapes: int, reward: str) -> None:
         rng = random.Random(seed)
         self._shapes = random_panel(rng, 0, min_shapes=1, max_shapes=max_shapes)
         self._question, self.answer = ask(rng, self._shapes, views=1)
-        self._image_size = image_size
+        self._image_size, self._reward = image_size, reward
 
     def start(self) -> list[Message]:
         image = draw(self._shapes, Box.panel(0), self._image_size)
         return [image_message(image, f"{self._question} Answer with one word.")]
 
     def step(self, reply: str) -> StepResult:
-        return StepResult(reward=exact_match(reply, self.answer), done=True)
+        return StepResult(reward=score(self._reward, reply, extract_answer(reply), self.answer), done=True)
 
 
 class ShapesEnvironment(Environment):
     """One generated image of coloured shapes and one question about it."""
 
-    def __init__(self, image_size: int = 112, max_shapes: int = 5) -> None:
+    def __init__(self, image_size: int = 112, max_shapes: int = 5, reward: str = "exact") -> None:
         if image_size < 28 or not 1 <= max_shapes <= GRID * GRID:
             raise ValueError(f"need image_size >= 28 and 1 <= max_shapes <= {GRID * GRID}")
-        self.image_size, self.max_shapes = image_size, max_shapes
+        self.image_size, self.max_shapes, self.reward = image_size, max_shapes, check_reward_mode(reward)
 
     def episode(self, seed: int) -> ShapesEpisode:
-        return ShapesEpisode(seed, self.image_size, self.max_shapes)
+        return ShapesEpisode(seed, self.image_size, self.max_shapes, self.reward)
 
 
 class MultiTurnShapesEpisode(Episode):
-    def __init__(self, seed: int, image_size: int, views: int, max_shapes: int) -> None:
+    def __init__(self, seed: int, image_size: int, views: int, max_shapes: int, reward: str) -> None:
         rng = random.Random(seed)
         self._shapes = [
             s for v in range(views) for s in random_panel(rng, v, min_shapes=1, max_shapes=max_shapes)
@@ -111,6 +113,7 @@ class MultiTurnShapesEpisode(Episode):
         self._question, self.answer = ask(rng, self._shapes, views=views)
         self._views, self._image_size = views, image_size
         self._view, self._box = 0, Box.panel(0)
+        self._reward, self._best = reward, 0.0
 
     def _show(self, text: str) -> Message:
         return image_message(draw(self._shapes, self._box, self._image_size), text)
@@ -125,8 +128,10 @@ class MultiTurnShapesEpisode(Episode):
 
     def step(self, reply: str) -> StepResult:
         action, argument = parse_action(reply)
+        attempt = score(self._reward, reply, argument if action == "answer" else None, self.answer)
+        reward, self._best = max(0.0, attempt - self._best), max(self._best, attempt)
         if action == "answer":
-            return StepResult(reward=1.0 if argument == self.answer else 0.0, done=True)
+            return StepResult(reward=reward, done=True)
         if action == "zoom" and self._box.x1 - self._box.x0 > 1 / GRID:
             self._box, text = self._box.zoomed(), f"Zoomed in on view {self._view + 1}."
         elif action == "crop":
@@ -138,7 +143,7 @@ class MultiTurnShapesEpisode(Episode):
             self._box = Box.panel(self._view)
             prefix = "" if action == "next" else "No action recognised; "
             text = f"{prefix}View {self._view + 1} of {self._views}."
-        return StepResult(reward=0.0, done=False, messages=[self._show(text)])
+        return StepResult(reward=reward, done=False, messages=[self._show(text)])
 
 
 def parse_action(reply: str) -> tuple[str, str | None]:
@@ -157,13 +162,16 @@ def parse_action(reply: str) -> tuple[str, str | None]:
 class MultiTurnShapesEnvironment(Environment):
     """A scene of `views` panels explored through actions; every action answers with a new image."""
 
-    def __init__(self, image_size: int = 112, views: int = 3, max_shapes: int = 4) -> None:
+    def __init__(
+        self, image_size: int = 112, views: int = 3, max_shapes: int = 4, reward: str = "exact"
+    ) -> None:
         if image_size < 28 or views < 1 or not 1 <= max_shapes <= GRID * GRID:
             raise ValueError(f"need image_size >= 28, views >= 1 and 1 <= max_shapes <= {GRID * GRID}")
         self.image_size, self.views, self.max_shapes = image_size, views, max_shapes
+        self.reward = check_reward_mode(reward)
 
     def episode(self, seed: int) -> MultiTurnShapesEpisode:
-        return MultiTurnShapesEpisode(seed, self.image_size, self.views, self.max_shapes)
+        return MultiTurnShapesEpisode(seed, self.image_size, self.views, self.max_shapes, self.reward)
 
 
 register_environment("shapes", ShapesEnvironment)
