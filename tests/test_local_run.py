@@ -4,10 +4,12 @@ on the tiny model (slow)."""
 from __future__ import annotations
 
 import _thread
+import io
 import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import textwrap
 import threading
@@ -120,6 +122,90 @@ def test_bad_config_is_one_clear_error_and_starts_nothing(tmp_path, capsys):
     assert not out.exists()
 
 
+# --- the live view: every number on an 80-column console, nothing wrapped or cut ------------------------
+
+
+def test_progress_and_step_lines_fit_80_columns_with_every_number(tmp_path):
+    from rich.console import Console
+
+    from rawmm.run.processes import ChildProcess
+    from rawmm.run.progress import outcome, render, step_line
+    from rawmm.run.scrape import parse_metrics
+    from rawmm.run.state import RunState
+
+    state = RunState(engine_urls=["http://127.0.0.1:8100", "http://127.0.0.1:8101"])
+    engine_metrics = parse_metrics(
+        "rawmm_materialize_cache_hits_total 300\nrawmm_materialize_cache_misses_total 100\n"
+        'rawmm_invalid_mm_image_ref_total{reason="missing_file"} 12\nrawmm_engine_weights_version 123\n'
+    )
+    state.engines = dict.fromkeys(state.engine_urls, engine_metrics)
+    # Wide values everywhere: three-digit steps, four-digit counts, exponents, an exit code.
+    orchestrator = {"event": "orchestrator_step", "step": 123, "reward_mean": 0.0520833, "rollouts": 128,
+                    "samples": 384, "images_sent": 1234, "dropped": {"invalid_mm_image_ref": 4}}  # fmt: skip
+    trainer = {"event": "trainer_step", "step": 122, "reward_mean": 0.0520833, "loss": -1.23456e-05,
+               "grad_norm": 0.12345, "tokens": 123456, "images_materialized": 1234, "missing_images": 12}  # fmt: skip
+    for event in (orchestrator, trainer):
+        state.read_line(json.dumps(event))
+    children = [
+        ChildProcess(name, [], tmp_path / name)
+        for name in ("engine-0", "engine-1", "trainer", "orchestrator")
+    ]
+    for child, code in zip(children, (0, 137, 0, 0), strict=True):
+        child.popen = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+        child.popen.wait()
+
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(render(state, children, steps=1000, elapsed_s=12345))
+    table = console.export_text()
+    lines = table.splitlines()
+    assert all(len(line) <= 80 for line in lines) and "…" not in table
+    assert lines[0].startswith("rawmm run: step 122/1000, 12345s")
+    (orchestrator_row,) = [line.split() for line in lines if line.startswith("orchestrator")]
+    assert orchestrator_row == [
+        "orchestrator",
+        "done",
+        "123",
+        "0.05208",
+        "-",
+        "128",
+        "rollouts,",
+        "4",
+        "dropped",
+    ]
+    (trainer_row,) = [line.split() for line in lines if line.startswith("trainer")]
+    assert trainer_row == [
+        "trainer",
+        "done",
+        "122",
+        "0.05208",
+        "-1.23e-05",
+        "1234",
+        "images,",
+        "12",
+        "missing",
+    ]
+    engine_rows = [line.split() for line in lines if line.startswith("engine :")]
+    assert engine_rows == [
+        ["engine", ":8100", "done", "75%", "12", "v123"],
+        ["engine", ":8101", "exited", "137", "75%", "12", "v123"],
+    ]
+    assert step_line(orchestrator) == (
+        "orchestrator step 123: reward=0.05208 rollouts=128 dropped=4 (invalid_mm_image_ref=4) samples=384 "
+        "image_refs=1234"
+    )
+    assert step_line(trainer) == (
+        "trainer step 122: loss=-1.235e-05 grad_norm=0.123 tokens=123456 images=1234 missing=12"
+    )
+    summary = {"steps_completed": 2, "wall_seconds": 61.7, "cache_hit_rate": 0.865, "invalid_mm_image_refs": 0,
+               "reward_mean": [0.0169, 0.0781], "loss": [-0.0504, -0.1208], "grad_norm": [0.767, 0.681]}  # fmt: skip
+    assert outcome(summary).splitlines() == [
+        "done: 2 steps in 62s, cache hit rate 86%, invalid refs 0",
+        "  reward per step         0.0169     0.0781",
+        "  loss per step          -0.0504    -0.1208",
+        "  grad norm per step       0.767      0.681",
+    ]
+
+
 # --- the supervisor, with stand-in processes ----------------------------------------------------------
 
 FAKE_ENGINE = textwrap.dedent(
@@ -153,7 +239,7 @@ FAKE_STEPS = textwrap.dedent(
     import json, sys, time
     event, steps, then = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     for step in range(1, steps + 1):
-        line = {"event": event, "step": step, "reward_mean": 0.25 * step, "loss": 0.5 / step,
+        line = {"event": event, "step": step, "reward_mean": 0.25 * step, "loss": 0.5 / step, "grad_norm": 2.0 * step,
                 "rollouts": 8, "samples": 24, "images_sent": 48, "dropped": {}, "tokens": 100,
                 "images_materialized": 6, "missing_images": 0}
         print(json.dumps(line), flush=True)
@@ -213,6 +299,7 @@ def test_completed_run_writes_a_summary_of_steps_and_final_engine_metrics(fake_r
     assert summary["status"] == "completed" and summary["error"] is None
     assert summary["steps_completed"] == 2
     assert summary["reward_mean"] == [0.25, 0.5] and summary["loss"] == [0.5, 0.25]
+    assert summary["grad_norm"] == [2.0, 4.0]
     assert (summary["cache_hits"], summary["cache_misses"], summary["cache_hit_rate"]) == (30, 10, 0.75)
     assert summary["invalid_mm_image_refs"] == 0 and summary["images_materialized_trainer"] == 12
     assert summary["engine_weights_version"] == {run.plan.config.inference.urls[0]: 2}
@@ -292,6 +379,7 @@ def assert_all_stopped(run: LocalRun) -> None:
 def test_two_step_run_matches_its_metrics_and_ends_on_the_last_weights(tmp_path, tiny_qwen2_vl):
     import httpx
 
+    from rawmm.rl.batches import read_batch
     from rawmm.run.scrape import health_version, scrape
 
     live: dict = {}
@@ -301,7 +389,10 @@ def test_two_step_run_matches_its_metrics_and_ends_on_the_last_weights(tmp_path,
             (url,) = run.plan.config.inference.urls
             live["metrics"], live["version"] = scrape(http, f"{url}/metrics"), health_version(http, url)
 
-    plan = plan_local_run(e2e_config(tiny_qwen2_vl), output_dir=tmp_path)
+    # Enough rollouts and tokens for the example's partial reward to tell the random model's rollouts
+    # apart (a reply holds a number about one time in three at 16 tokens).
+    sized = {"rollouts_per_prompt": 4, "max_tokens": 16}
+    plan = plan_local_run(e2e_config(tiny_qwen2_vl, orchestrator=sized), output_dir=tmp_path)
     run = LocalRun(plan, on_finished=check_live_endpoints)
     summary = run.run()
     assert_all_stopped(run)
@@ -323,6 +414,16 @@ def test_two_step_run_matches_its_metrics_and_ends_on_the_last_weights(tmp_path,
         json.loads(line) for line in run.trainer.log_path.read_text().splitlines() if line.startswith("{")
     ]
     assert summary["loss"] == [line["loss"] for line in trainer_lines]
+    assert summary["grad_norm"] == [line["grad_norm"] for line in trainer_lines]
+    # A learning signal: rewards differ within a group, so advantages and the gradient are not zero.
+    advantages = [
+        a
+        for step in (1, 2)
+        for sample in read_batch(plan.config.rollouts_dir, step).samples
+        for a in sample.advantages
+    ]
+    assert any(a != 0 for a in advantages)
+    assert any(norm > 0 for norm in summary["grad_norm"])
     assert (
         summary["images_materialized_trainer"]
         == sum(line["images_materialized"] for line in trainer_lines)

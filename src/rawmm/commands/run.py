@@ -46,10 +46,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         local_run.console.print(f"interrupted; everything stopped. summary: {plan.summary_path}")
         return 130
-    rate = summary["cache_hit_rate"]
-    local_run.console.print(
-        f"done: {summary['steps_completed']} steps, reward per step {summary['reward_mean']}, "
-        f"loss per step {summary['loss']}, cache hit rate {'-' if rate is None else f'{rate:.0%}'}, "
-        f"invalid refs {summary['invalid_mm_image_refs']}\nsummary: {plan.summary_path}"
-    )
+    from rawmm.run.progress import outcome
+
+    local_run.console.print(f"{outcome(summary)}\nsummary: {plan.summary_path}", soft_wrap=True)
     return 0

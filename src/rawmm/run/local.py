@@ -123,6 +123,8 @@ class LocalRun:
             status, error = "failed", f"{type(exc).__name__}: {exc}"
             raise
         finally:
+            if not self.console.is_terminal:
+                self.console.line()  # Live leaves its last frame unterminated on a non-terminal console
             self._finish(status, error)
         return json.loads(self.plan.summary_path.read_text())
 
@@ -181,7 +183,7 @@ class LocalRun:
             for line in child.new_log_lines():
                 event = self.state.read_line(line)
                 if event is not None and not self.console.is_terminal:
-                    self.console.print(step_line(event))
+                    self.console.print(step_line(event), soft_wrap=True)
         for engine, url in zip(self.engines, self.state.engine_urls, strict=False):
             if engine.poll() is not None and url not in self._reported_dead:
                 self._reported_dead.add(url)

@@ -22,6 +22,7 @@ SUMMARY_KEYS = (
     "steps_completed",
     "reward_mean",
     "loss",
+    "grad_norm",
     "cache_hits",
     "cache_misses",
     "cache_hit_rate",
@@ -120,6 +121,7 @@ class RunState:
                 self.orchestrator_steps[s]["reward_mean"] for s in sorted(self.orchestrator_steps)
             ],
             "loss": [self.trainer_steps[s]["loss"] for s in trained],
+            "grad_norm": [self.trainer_steps[s]["grad_norm"] for s in trained],
             "cache_hits": self.cache_hits,
             "cache_misses": self.cache_misses,
             "cache_hit_rate": self.cache_hit_rate,
