@@ -104,12 +104,19 @@ def test_plan_refuses_busy_ports_and_a_used_shared_dir(tmp_path):
         port = busy.getsockname()[1]
         with pytest.raises(PlanError, match=f"port {port} for the engine replica"):
             plan_local_run(config(inference__base_port=port), output_dir=tmp_path)
+        # The engine's port must be free here, whatever else runs on this machine (a demo on 8100).
+        with socket.socket() as spare:
+            spare.bind(("127.0.0.1", 0))
+            engine_port = spare.getsockname()[1]
         with pytest.raises(PlanError, match=f"port {port} for the monitoring.trainer_metrics_port"):
-            plan_local_run(config(monitoring__trainer_metrics_port=port), output_dir=tmp_path)
+            plan_local_run(
+                config(inference__base_port=engine_port, monitoring__trainer_metrics_port=port),
+                output_dir=tmp_path,
+            )
     (tmp_path / "shared" / "checkpoints").mkdir(parents=True)
     (tmp_path / "shared" / "checkpoints" / "latest").write_text("2\n")
     with pytest.raises(PlanError, match="already holds a run"):
-        plan_local_run(config(), output_dir=tmp_path)
+        plan_local_run(config(inference__base_port=engine_port), output_dir=tmp_path)
 
 
 def test_bad_config_is_one_clear_error_and_starts_nothing(tmp_path, capsys):

@@ -52,7 +52,7 @@ def _verb(method: str, name: str | None, params: dict[str, str]) -> str:
 def operator_accesses(emulator: Any) -> set[Access]:
     """Every request the operator made (the test's own requests carry TEST_AGENT)."""
     accesses = set()
-    for request in emulator:
+    for request in emulator.served:
         # Discovery (no plural) needs no RBAC: every authenticated user may read the API groups.
         if (
             request.resource is None

@@ -71,6 +71,10 @@ patches it, and writes the RLRun's status; kopf watches the StatefulSets, Jobs a
 - apiGroups: [""]
   resources: [configmaps, services]
   verbs: [get, create, patch]
+# The run's pods are listed to scrape trainer step and cache hit rate into the RLRun's status.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
 - apiGroups: [apps]
   resources: [statefulsets]
   verbs: [get, list, watch, create, patch]
