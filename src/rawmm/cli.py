@@ -14,7 +14,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ref": ("ref", "inspect a raw image ref"),
     "layout": ("layout", "placeholder layout of an image size for a model preset"),
     "tiny-model": ("tiny_model", "write a tiny random-weight checkpoint and tokenizer"),
-    "serve": ("serve", "serve a model over HTTP, materializing raw image refs (transformers on CPU, or vLLM)"),
+    "serve": (
+        "serve",
+        "serve a model over HTTP, materializing raw image refs (transformers on CPU, or vLLM)",
+    ),
     "orchestrate": ("orchestrate", "play rollouts against the engine replicas and write training batches"),
     "train": ("train", "train on the run's rollout batches, writing a checkpoint per step (torchrun for DP)"),
     "run": ("run", "run engines, orchestrator and trainer locally on one machine until the run is done"),

@@ -90,6 +90,7 @@ class EmulatedOperator:
 
     def create(self, manifest: dict[str, Any]) -> None:
         from kubernetes import client as k8s
+
         from rawmm_operator.kube import KubeApi
 
         with k8s.ApiClient(k8s.Configuration(host=self.url)) as api_client:

@@ -19,11 +19,11 @@ def exported_metric_names() -> set[str]:
     `_bucket`/`_sum`/`_count`), read from the objects themselves."""
     from prometheus_client import CollectorRegistry
     from prometheus_client.metrics import MetricWrapperBase
-    from rawmm_operator import metrics as operator_metrics
 
     from rawmm import metrics as shared_metrics
     from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
     from rawmm.rl.trainer import metrics as trainer_metrics
+    from rawmm_operator import metrics as operator_metrics
 
     owners = (shared_metrics, trainer_metrics, operator_metrics, OrchestratorMetrics(CollectorRegistry()))
     collectors = [

@@ -6,6 +6,9 @@ import kubernetes_validate
 import pytest
 import yaml
 from operator_samples import CPU_ONLY, EXISTING_CLAIM, ISSUE_EXAMPLE, MULTI_GPU, MULTI_NODE, SPECS, merged
+
+from rawmm.config import RunConfig
+from rawmm.quantity import parse_byte_size
 from rawmm_operator.builders import (
     RUN_LABEL,
     PodMonitorSettings,
@@ -14,9 +17,6 @@ from rawmm_operator.builders import (
     container_resources,
 )
 from rawmm_operator.spec import Resources, parse_spec
-
-from rawmm.config import RunConfig
-from rawmm.quantity import parse_byte_size
 
 RUN = RunRef(name="exp", namespace="ml", uid="5b1f5d0e-6a37-4f8e-8a0d-4bd0c3b3b5a1")
 KUBERNETES_VERSIONS = ["1.31", kubernetes_validate.latest_version()]

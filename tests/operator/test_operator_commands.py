@@ -17,10 +17,10 @@ import pytest
 import yaml
 from operator_samples import CPU_ONLY, ISSUE_EXAMPLE, rlrun
 from prometheus_client.parser import text_string_to_metric_families
-from rawmm_operator.crd import crd_yaml
-from rawmm_operator.testing import Cluster, emulated_cluster
 
 from rawmm.cli import main
+from rawmm_operator.crd import crd_yaml
+from rawmm_operator.testing import Cluster, emulated_cluster
 
 
 def free_port() -> int:

@@ -12,6 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from operator_samples import SPECS, apply_schema_defaults, rlrun
+
 from rawmm_operator.crd import crd_manifest, crd_yaml, spec_schema
 from rawmm_operator.spec import InferenceSpec, parse_spec
 

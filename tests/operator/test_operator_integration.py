@@ -18,6 +18,7 @@ from operator_samples import (
     run_status,
 )
 from prometheus_client import REGISTRY
+
 from rawmm_operator.handlers import LoopTiming
 from rawmm_operator.testing import Cluster, emulated_cluster, running_operator
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from operator_samples import ISSUE_EXAMPLE, merged, rlrun
+
 from rawmm_operator.builders import RunRef, build_children
 from rawmm_operator.kube import LAST_APPLIED, ApiError, KubeApi, apply, merge_patch
 from rawmm_operator.spec import parse_spec

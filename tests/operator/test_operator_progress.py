@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from operator_samples import CPU_ONLY, RLRUNS_URL, eventually, rlrun, run_status
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
 from rawmm_operator.handlers import LoopTiming
 from rawmm_operator.progress import CACHE_HITS, metrics_url, sample_sums
 from rawmm_operator.testing import Cluster, emulated_cluster, running_operator

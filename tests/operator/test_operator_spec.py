@@ -3,10 +3,10 @@ from __future__ import annotations
 import pytest
 import yaml
 from operator_samples import CPU_ONLY, ISSUE_EXAMPLE, MULTI_NODE, SPECS, merged
-from rawmm_operator.spec import InvalidSpec, RLRunSpec, default_image, engine_urls, parse_spec, run_config
 
 import rawmm
 from rawmm.config import RunConfig
+from rawmm_operator.spec import InvalidSpec, RLRunSpec, default_image, engine_urls, parse_spec, run_config
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))

@@ -3,6 +3,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from rawmm_operator.status import Observed, RLRunStatus, derive_status, invalid_spec_status, transitions
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"

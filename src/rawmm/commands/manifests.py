@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _render(path: Path) -> str:
     import yaml
+
     from rawmm_operator.builders import RunRef, build_children
     from rawmm_operator.spec import InvalidSpec, parse_spec
 
