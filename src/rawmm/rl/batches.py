@@ -6,11 +6,10 @@ The orchestrator writes each batch atomically (temporary file in the same direct
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from pathlib import Path
 
+from rawmm.rl.files import write_atomically
 from rawmm.rl.samples import RolloutBatch, decode_batch, encode_batch
 
 _BATCH_NAME = re.compile(r"^step_(\d+)\.msgpack$")
@@ -25,16 +24,7 @@ def write_batch(rollouts_dir: Path, batch: RolloutBatch) -> Path:
     rollouts_dir = Path(rollouts_dir)
     rollouts_dir.mkdir(parents=True, exist_ok=True)
     path = batch_path(rollouts_dir, batch.step)
-    fd, tmp = tempfile.mkstemp(dir=rollouts_dir, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(encode_batch(batch))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, encode_batch(batch))
     return path
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from rawmm.rl.files import write_atomically
 
 LATEST = "latest"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -33,19 +34,6 @@ def latest_step(checkpoints_dir: Path) -> int:
     if not text.isdigit():
         raise ValueError(f"{path} should hold a step number, found {text[:40]!r}")
     return int(text)
-
-
-def _write_text_atomically(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _is_weights(name: str) -> bool:
@@ -77,5 +65,5 @@ def save_checkpoint(model: Any, base_dir: Path, checkpoints_dir: Path, step: int
     if final.exists():  # a re-run of this step (e.g. after a restart): the new weights win
         shutil.rmtree(final)
     os.replace(staging, final)
-    _write_text_atomically(checkpoints_dir / LATEST, f"{step}\n")
+    write_atomically(checkpoints_dir / LATEST, f"{step}\n".encode())
     return final
