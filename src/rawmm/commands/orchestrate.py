@@ -8,6 +8,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from rawmm.cli import CliError
+from rawmm.commands.run_config import load_run_config, steps_to_run
 
 if TYPE_CHECKING:
     from rawmm.config import RunConfig
@@ -37,7 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
-    from rawmm.config import ConfigError, RunConfig
     from rawmm.contract import OffloadStore
     from rawmm.rl.envs import EnvironmentLoadError, load_environment
     from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
@@ -45,19 +45,14 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    try:
-        config = RunConfig.from_yaml(args.config)
-    except ConfigError as exc:
-        raise CliError(str(exc)) from None
+    config = load_run_config(args.config)
     if not config.inference.urls:
         raise CliError("inference.urls is empty: give the engine replicas' URLs (`rawmm run` fills them in)")
     if config.orchestrator.max_async_level < 1:
         raise CliError(
             "orchestrator.max_async_level must be at least 1 (1 = on-policy: batch N uses checkpoint N-1)"
         )
-    steps = args.steps if args.steps is not None else config.trainer.steps
-    if steps < 1:
-        raise CliError(f"--steps must be at least 1, got {steps}")
+    steps = steps_to_run(args.steps, config)
     env_cfg = config.orchestrator.environment
     try:
         environment = load_environment(env_cfg.name, env_cfg.args)

@@ -8,6 +8,7 @@ from pathlib import Path
 from types import FrameType
 
 from rawmm.cli import CliError
+from rawmm.commands.run_config import load_run_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,13 +27,12 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rawmm.config import ConfigError, RunConfig
     from rawmm.run import LocalRun, LocalRunFailed, PlanError, plan_local_run
 
+    config = load_run_config(args.config)
     try:
-        config = RunConfig.from_yaml(args.config)
         plan = plan_local_run(config, steps=args.steps, output_dir=args.output_dir)
-    except (ConfigError, PlanError) as exc:
+    except PlanError as exc:
         raise CliError(str(exc)) from None
     local_run = LocalRun(plan)
     # `kill` and Ctrl-C end the run the same way: every child stopped, the summary written.

@@ -9,6 +9,7 @@ import argparse
 import logging
 
 from rawmm.cli import CliError
+from rawmm.commands.run_config import load_run_config, steps_to_run
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,19 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
-    from rawmm.config import ConfigError, RunConfig
     from rawmm.rl.materializer import MissingImageError
     from rawmm.rl.trainer.distributed import init_distributed, shutdown_distributed
     from rawmm.rl.trainer.loop import BatchTimeout, Trainer, step_log_line
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
-    try:
-        config = RunConfig.from_yaml(args.config)
-    except ConfigError as exc:
-        raise CliError(str(exc)) from None
-    steps = args.steps if args.steps is not None else config.trainer.steps
-    if steps < 1:
-        raise CliError(f"--steps must be at least 1, got {steps}")
+    config = load_run_config(args.config)
+    steps = steps_to_run(args.steps, config)
     if config.trainer.seq_len > config.trainer.micro_batch_tokens:
         raise CliError(
             f"trainer.seq_len ({config.trainer.seq_len}) must not exceed trainer.micro_batch_tokens "
