@@ -35,7 +35,7 @@ from typing import Any
 from PIL import Image, ImageDraw
 from prometheus_client import REGISTRY
 
-from rawmm.contract import FeatureImage, OffloadStore, RawImageDescriptor, encode_ref, parse_ref
+from rawmm.contract import FeatureImage, OffloadStore, describe_stored_image, encode_ref, parse_ref
 from rawmm.materialize import LoadedProcessor, MaterializeCache, load_processor, materialize_engine_item
 from rawmm.serving.images import RequestImages
 
@@ -85,13 +85,8 @@ def processor_dir(root: Path, preset: str) -> Path:
 
 def feature(store: OffloadStore, loaded: LoadedProcessor, data: bytes, offset: int = 0) -> FeatureImage:
     stored = store.put(data)
-    layout = loaded.family.describe(width=stored.width, height=stored.height, config=loaded.config)
-    descriptor = RawImageDescriptor(
-        family=loaded.family.name,
-        modality="image",
-        payload=loaded.family.payload(layout),
-        raw_image_uri=stored.uri,
-        fingerprint=loaded.fingerprint,
+    descriptor, layout = describe_stored_image(
+        loaded.family, loaded.config, stored, fingerprint=loaded.fingerprint
     )
     return FeatureImage(
         "image", parse_ref(encode_ref(descriptor, stored.mm_hash)), offset, layout.num_placeholder_tokens

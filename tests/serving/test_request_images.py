@@ -14,7 +14,7 @@ from rawmm.contract import (
     FeatureImage,
     InvalidImageRef,
     OffloadStore,
-    RawImageDescriptor,
+    describe_stored_image,
     encode_ref,
     parse_ref,
 )
@@ -31,13 +31,8 @@ def feature_images(store: OffloadStore, loaded, count: int) -> list[FeatureImage
     for seed in range(count):
         pixels = np.random.default_rng(seed).integers(0, 256, (40 + seed, 60, 3), dtype=np.uint8)
         stored = store.put(Image.fromarray(pixels))
-        layout = loaded.family.describe(width=stored.width, height=stored.height, config=loaded.config)
-        descriptor = RawImageDescriptor(
-            family=loaded.family.name,
-            modality="image",
-            payload=loaded.family.payload(layout),
-            raw_image_uri=stored.uri,
-            fingerprint=loaded.fingerprint,
+        descriptor, layout = describe_stored_image(
+            loaded.family, loaded.config, stored, fingerprint=loaded.fingerprint
         )
         ref = parse_ref(encode_ref(descriptor, stored.mm_hash))
         out.append(FeatureImage("image", ref, offset, layout.num_placeholder_tokens))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from rawmm.contract import FeatureImage, OffloadStore, RawImageDescriptor, encode_ref, parse_ref
+from rawmm.contract import FeatureImage, OffloadStore, describe_stored_image, encode_ref, parse_ref
 from rawmm.materialize import collate, get_adapter, load_processor, read_ref_image
 from rawmm.serving.engine import ImageInput
 from rawmm.serving.schemas import Sampling
@@ -55,14 +55,8 @@ def inputs_for(
     for seed, (width, height) in enumerate(sizes):
         pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
         stored = store.put(Image.fromarray(pixels))
-        layout = loaded.family.describe(width=width, height=height, config=loaded.config)
-        descriptor = RawImageDescriptor(
-            family=loaded.family.name,
-            modality="image",
-            payload=loaded.family.payload(layout),
-            raw_image_uri=stored.uri,
-            fingerprint=loaded.fingerprint,
-            vllm_modality=loaded.family.vllm_modality,
+        descriptor, layout = describe_stored_image(
+            loaded.family, loaded.config, stored, fingerprint=loaded.fingerprint
         )
         ref = parse_ref(encode_ref(descriptor, stored.mm_hash))
         image = read_ref_image(ref, mm_hash=ref.mm_hash, roots=[store.root])

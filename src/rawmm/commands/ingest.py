@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from rawmm.contract import ImageIngestError, OffloadStore, RawImageDescriptor, encode_ref
+    from rawmm.contract import ImageIngestError, OffloadStore, describe_stored_image, encode_ref
 
     model = resolve_model(args)
     files = list(image_files(args.paths))
@@ -95,17 +95,11 @@ def run(args: argparse.Namespace) -> int:
             if model is not None:
                 family, config = model
                 try:
-                    layout = family.describe(width=stored.width, height=stored.height, config=config)
+                    descriptor, layout = describe_stored_image(
+                        family, config, stored, fingerprint=fingerprint
+                    )
                 except ValueError as exc:
                     raise CliError(f"{file}: {exc}") from None
-                descriptor = RawImageDescriptor(
-                    family=family.name,
-                    modality=family.modality,
-                    payload=family.payload(layout),
-                    raw_image_uri=stored.uri,
-                    fingerprint=fingerprint,
-                    vllm_modality=family.vllm_modality,
-                )
                 line["placeholder_tokens"] = layout.num_placeholder_tokens
                 line["ref"] = encode_ref(descriptor, stored.mm_hash)
             print(json.dumps(line), flush=True)

@@ -16,7 +16,7 @@ from rawmm.contract.families import (
 from rawmm.contract.features import FeatureImage, parse_features, request_features
 from rawmm.contract.messages import offload_message_images
 from rawmm.contract.refs import REF_PREFIX, RawImageDescriptor, RawImageRef, encode_ref, parse_ref
-from rawmm.contract.render import RenderedImage, RenderedPrompt, render_chat
+from rawmm.contract.render import RenderedImage, RenderedPrompt, describe_stored_image, render_chat
 from rawmm.contract.store import OffloadStore, StoredImage, resolve_uri
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "RenderedImage",
     "RenderedPrompt",
     "StoredImage",
+    "describe_stored_image",
     "encode_ref",
     "family_of_checkpoint",
     "get_family",

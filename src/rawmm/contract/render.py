@@ -13,11 +13,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rawmm.contract.families import Family, check_backend
+from rawmm.contract.families import Family, Layout, check_backend
 from rawmm.contract.features import request_features
 from rawmm.contract.messages import offload_images
 from rawmm.contract.refs import RawImageDescriptor, encode_ref
-from rawmm.contract.store import OffloadStore
+from rawmm.contract.store import OffloadStore, StoredImage
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,22 @@ class RenderedPrompt:
     def features(self) -> dict[str, dict[str, list[Any]]]:
         """The request features for an engine (DESIGN §3.3)."""
         return request_features(self.images)
+
+
+def describe_stored_image(
+    family: Family[Any], config: Any, image: StoredImage, *, fingerprint: str | None
+) -> tuple[RawImageDescriptor, Layout]:
+    """The descriptor a ref to the stored ``image`` carries under ``config``, and the image's layout."""
+    layout = family.describe(width=image.width, height=image.height, config=config)
+    descriptor = RawImageDescriptor(
+        family=family.name,
+        modality=family.modality,
+        payload=family.payload(layout),
+        raw_image_uri=image.uri,
+        fingerprint=fingerprint,
+        vllm_modality=family.vllm_modality,
+    )
+    return descriptor, layout
 
 
 def render_chat(
@@ -81,16 +97,8 @@ def render_chat(
     images: list[RenderedImage] = []
     start = 0
     for position, image in zip(markers, stored, strict=True):
-        layout = family.describe(width=image.width, height=image.height, config=config)
+        descriptor, layout = describe_stored_image(family, config, image, fingerprint=fingerprint)
         token_ids.extend(rendered_ids[start:position])
-        descriptor = RawImageDescriptor(
-            family=family.name,
-            modality=family.modality,
-            payload=family.payload(layout),
-            raw_image_uri=image.uri,
-            fingerprint=fingerprint,
-            vllm_modality=family.vllm_modality,
-        )
         images.append(RenderedImage(descriptor, image.mm_hash, len(token_ids), layout.num_placeholder_tokens))
         token_ids.extend([marker] * layout.num_placeholder_tokens)
         start = position + 1
