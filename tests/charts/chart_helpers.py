@@ -4,12 +4,9 @@ A module of its own (not conftest.py): test modules import it by a name no other
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from functools import cache
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import jsonschema
@@ -22,17 +19,6 @@ MONITORING_SCHEMAS = Path(__file__).parent / "schemas"
 # Kubernetes versions every rendered object must validate against: the oldest the chart supports in
 # tests and the newest schema kubernetes-validate ships.
 KUBE_VERSIONS = ("1.31", kubernetes_validate.utils.latest_version())
-
-
-def load_generate() -> ModuleType:
-    """manifests/generate.py, which renders the chart for the generated files and for these tests."""
-    name = "rawmm_chart_generate"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "manifests" / "generate.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the class is created
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def values_files() -> list[Path]:

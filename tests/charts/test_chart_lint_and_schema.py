@@ -7,7 +7,8 @@ from typing import Any
 
 import helm_python as helm
 import pytest
-from chart_helpers import KUBE_VERSIONS, load_generate, read_values, values_files
+from chart_generate import load_generate
+from chart_helpers import KUBE_VERSIONS, read_values, values_files
 
 CHART_DIR = load_generate().CHART_DIR
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from chart_helpers import REPO, load_generate
+from chart_generate import load_generate
+from chart_helpers import REPO
 from kubernetes import client as k8s
 
 generate = load_generate()

@@ -9,7 +9,8 @@ from typing import Any
 
 import helm_python as helm
 import pytest
-from chart_helpers import KUBE_VERSIONS, load_generate, read_values, validate_object, values_files
+from chart_generate import load_generate
+from chart_helpers import KUBE_VERSIONS, read_values, validate_object, values_files
 
 generate = load_generate()
 RELEASE_NAMESPACE = "rawmm-system"

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from chart_helpers import KUBE_VERSIONS, load_generate, validate_object
+from chart_generate import load_generate
+from chart_helpers import KUBE_VERSIONS, validate_object
 
 generate = load_generate()
 

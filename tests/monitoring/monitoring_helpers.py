@@ -5,21 +5,19 @@ A module of its own (not conftest.py): test modules import it by a name no other
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
 import pytest
 import yaml
+from chart_generate import load_generate
 
 from rawmm.run.plan import free_port
 
@@ -36,17 +34,6 @@ def tool(name: str) -> Path:
     if not path.is_file():
         pytest.fail(f"{path} is missing: `make install` unpacks Debian's prometheus package there")
     return path
-
-
-def load_generate() -> ModuleType:
-    """manifests/generate.py, which renders the chart."""
-    name = "rawmm_chart_generate"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "manifests" / "generate.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the class is created
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def rule_groups(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:

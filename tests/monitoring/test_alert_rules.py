@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from monitoring_helpers import load_generate, rule_groups, tool, write_rules_file
+from chart_generate import load_generate
+from monitoring_helpers import rule_groups, tool, write_rules_file
 
 
 def promtool(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
