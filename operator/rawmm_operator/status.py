@@ -12,14 +12,6 @@ from pydantic.alias_generators import to_camel
 
 Phase = Literal["Pending", "Provisioning", "Running", "Succeeded", "Failed", "Suspended"]
 TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
-CONDITION_TYPES = (
-    "OffloadVolumeReady",
-    "InferenceReady",
-    "OrchestratorRunning",
-    "TrainerRunning",
-    "Complete",
-    "Failed",
-)
 INVALID_SPEC = "InvalidSpec"
 TIMESTAMP = {"format": "date-time"}
 

@@ -24,9 +24,6 @@ class Scrape:
         """Sum over every label set of `name` (0 when absent)."""
         return sum(self.samples.get(name, {}).values())
 
-    def by_label(self, name: str, label: str) -> dict[str, float]:
-        return {dict(key)[label]: v for key, v in self.samples.get(name, {}).items() if label in dict(key)}
-
 
 def parse_metrics(text: str) -> Scrape:
     samples: dict[str, dict[Labels, float]] = {}
