@@ -25,6 +25,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 SCREEN = (1280, 720)
@@ -149,7 +153,7 @@ def replay_trainer(config_path: Path) -> dict:
 # --- orchestrator memory per in-flight rollout ---------------------------------------------------
 
 
-def screenshot(index: int):
+def screenshot(index: int) -> Image.Image:
     """A screenshot-like image: flat panels, text-like stripes and some noise (unique per index)."""
     import random
 
