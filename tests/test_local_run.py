@@ -89,7 +89,6 @@ def test_plan_keeps_an_absolute_shared_dir_and_external_engines(tmp_path):
     [
         ({"model": {"path": "tiny:qwen3_vl", "preset": "qwen2_vl"}}, "does not match model.preset"),
         ({"model": {"path": "tiny:kimi_k25", "preset": "kimi_k25"}}, "tiny checkpoints exist for"),
-        ({"orchestrator": {"max_async_level": 0}}, "max_async_level must be at least 1"),
     ],
 )
 def test_plan_refuses_unusable_settings(tmp_path, overrides, message):

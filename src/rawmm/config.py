@@ -104,7 +104,9 @@ class OrchestratorConfig(StrictModel):
     max_turns: int = Field(default=3, ge=1)
     max_tokens: int = Field(default=16, ge=1)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    max_async_level: int = Field(default=1, ge=0)
+    # Batch N is sampled with checkpoint N - max_async_level and checkpoint N needs batch N, so 0 would wait
+    # forever; 1 = on-policy (every batch sampled with the newest weights).
+    max_async_level: int = Field(default=1, ge=1)
     seed: int = 0
 
 

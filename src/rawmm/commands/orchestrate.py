@@ -48,10 +48,6 @@ def run(args: argparse.Namespace) -> int:
     config = load_run_config(args.config)
     if not config.inference.urls:
         raise CliError("inference.urls is empty: give the engine replicas' URLs (`rawmm run` fills them in)")
-    if config.orchestrator.max_async_level < 1:
-        raise CliError(
-            "orchestrator.max_async_level must be at least 1 (1 = on-policy: batch N uses checkpoint N-1)"
-        )
     steps = steps_to_run(args.steps, config)
     env_cfg = config.orchestrator.environment
     try:

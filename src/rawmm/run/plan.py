@@ -50,10 +50,6 @@ def plan_local_run(
     """Check `config` and resolve it for this machine; writes nothing."""
     if steps is not None and steps < 1:
         raise PlanError(f"--steps must be at least 1, got {steps}")
-    if config.orchestrator.max_async_level < 1:
-        raise PlanError(
-            "orchestrator.max_async_level must be at least 1 (1 = on-policy: batch N uses checkpoint N-1)"
-        )
     output_dir = (output_dir or Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     shared_dir = config.shared_dir if config.shared_dir.is_absolute() else output_dir / config.shared_dir
     _refuse_previous_run(shared_dir)

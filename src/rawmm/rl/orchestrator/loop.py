@@ -70,12 +70,6 @@ class Orchestrator:
         metrics: OrchestratorMetrics,
         poll_interval_s: float = 0.2,
     ) -> None:
-        if config.orchestrator.max_async_level < 1:
-            # Batch N needs checkpoint N - max_async_level, and checkpoint N needs batch N.
-            raise ValueError(
-                "orchestrator.max_async_level must be at least 1 (1 = every batch sampled with the newest "
-                "weights); 0 would wait for the checkpoint of the very step it has to produce"
-            )
         self.config, self.pool, self.renderer = config, pool, renderer
         self.environment, self.metrics = environment, metrics
         self._poll_interval_s = poll_interval_s
