@@ -38,7 +38,9 @@ def _valid_ref() -> str:
 @given(descriptor=descriptors, mm_hash=hashes)
 @settings(max_examples=200, deadline=None)
 def test_round_trip(descriptor: RawImageDescriptor, mm_hash: str) -> None:
-    ref = parse_ref(encode_ref(descriptor, mm_hash))
+    text = encode_ref(descriptor, mm_hash)
+    ref = parse_ref(text)
+    assert ref.canonical == text  # what engines key their cache on
     assert (ref.family, ref.modality, ref.mm_hash, ref.payload, ref.raw_image_uri, ref.fingerprint) == (
         descriptor.family,
         descriptor.modality,
@@ -47,6 +49,14 @@ def test_round_trip(descriptor: RawImageDescriptor, mm_hash: str) -> None:
         descriptor.raw_image_uri,
         descriptor.fingerprint,
     )
+
+
+def test_canonical_is_one_text_whatever_spelling_arrived() -> None:
+    text = _valid_ref()
+    body = json.loads(text.removeprefix("mmraw:"))
+    spelled_otherwise = "mmraw:" + json.dumps(dict(reversed(list(body.items()))), indent=1)
+    assert spelled_otherwise != text
+    assert parse_ref(spelled_otherwise).canonical == parse_ref(text).canonical == text
 
 
 def test_wire_format_is_prefix_plus_compact_sorted_json_without_base64() -> None:

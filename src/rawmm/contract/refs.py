@@ -8,6 +8,7 @@ total: any input that is not a well-formed ref raises ``InvalidImageRef("malform
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -144,6 +145,26 @@ class RawImageRef:
     raw_image_uri: str
     fingerprint: str | None = None
 
+    @functools.cached_property
+    def canonical(self) -> str:
+        """The ref as ``encode_ref`` writes it, without re-validating what ``parse_ref`` already checked.
+
+        Engines key their cache on it for every image of every request, so it stays a single ``json.dumps``.
+        """
+        return _ref_text(self._body())
+
+    def _body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "family": self.family,
+            "modality": self.modality,
+            "mm_hash": self.mm_hash,
+            "payload": self.payload,
+            "raw_image_uri": self.raw_image_uri,
+        }
+        if self.fingerprint is not None:
+            body["fingerprint"] = self.fingerprint
+        return body
+
     def descriptor(self) -> RawImageDescriptor:
         """The descriptor this ref carries; ``vllm_modality`` comes from the family (None if unknown)."""
         return RawImageDescriptor(
@@ -154,6 +175,12 @@ class RawImageRef:
             fingerprint=self.fingerprint,
             vllm_modality=vllm_modality_of(self.family),
         )
+
+
+def _ref_text(body: dict[str, Any]) -> str:
+    return REF_PREFIX + json.dumps(
+        body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
 
 
 def encode_ref(descriptor: RawImageDescriptor, mm_hash: str) -> str:
@@ -167,9 +194,7 @@ def encode_ref(descriptor: RawImageDescriptor, mm_hash: str) -> str:
     }
     if descriptor.fingerprint is not None:
         body["fingerprint"] = _check_fingerprint(descriptor.fingerprint)
-    text = REF_PREFIX + json.dumps(
-        body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    )
+    text = _ref_text(body)
     if len(text) > MAX_REF_CHARS:
         raise _malformed(f"ref would be {len(text)} characters, over the {MAX_REF_CHARS} limit")
     return text

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rawmm.contract import FeatureImage, InvalidImageRef, encode_ref, parse_features
+from rawmm.contract import FeatureImage, InvalidImageRef, parse_features
 from rawmm.materialize import (
     EngineItem,
     LoadedProcessor,
@@ -59,7 +59,7 @@ class RequestImages:
 
     async def _item(self, image: FeatureImage) -> EngineItem:
         key = cache_key(
-            encode_ref(image.ref.descriptor(), image.ref.mm_hash),
+            image.ref.canonical,
             engine_modality=image.modality,
             placeholder_length=image.length,
             processor_identity=self.processor.identity,
