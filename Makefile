@@ -37,7 +37,9 @@ test: $(INSTALLED) $(PROMETHEUS)
 test-fast: $(INSTALLED) $(PROMETHEUS)
 	$(PY) -m pytest -q -m 'not slow'
 
+# Each demo starts clean: rawmm run refuses a shared directory that already holds a run.
 demo: $(INSTALLED)
+	rm -rf runs/demo
 	$(VENV)/bin/rawmm run examples/local-tiny.yaml --output-dir runs/demo
 
 lint: $(INSTALLED)
