@@ -33,20 +33,9 @@ SIZES = [
 
 
 def processor(preset: str, backend: str) -> Any:
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from rawmm.materialize import qwen_image_processor
 
-    config = get_family("qwen_vl").preset(preset)
-    cls = Qwen2VLImageProcessorPil if backend == "pil" else Qwen2VLImageProcessor
-    return cls(
-        min_pixels=config.min_pixels,
-        max_pixels=config.max_pixels,
-        patch_size=config.patch_size,
-        merge_size=config.merge_size,
-        temporal_patch_size=config.temporal_patch_size,
-        image_mean=list(config.image_mean),
-        image_std=list(config.image_std),
-    )
+    return qwen_image_processor(get_family("qwen_vl").preset(preset), backend)
 
 
 def main() -> None:

@@ -64,21 +64,12 @@ def screenshot(seed: int, width: int = 1280, height: int = 720) -> bytes:
 
 def processor_dir(root: Path, preset: str) -> Path:
     """A checkpoint directory holding the public preset's image processor (no weights needed)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     from rawmm.contract import resolve_preset
+    from rawmm.materialize import qwen_image_processor
 
     _, config = resolve_preset(preset)
     path = root / preset
-    Qwen2VLImageProcessorPil(
-        patch_size=config.patch_size,
-        merge_size=config.merge_size,
-        temporal_patch_size=config.temporal_patch_size,
-        min_pixels=config.min_pixels,
-        max_pixels=config.max_pixels,
-        image_mean=list(config.image_mean),
-        image_std=list(config.image_std),
-    ).save_pretrained(path)
+    qwen_image_processor(config, "pil").save_pretrained(path)
     (path / "config.json").write_text(json.dumps({"model_type": preset}))
     return path
 

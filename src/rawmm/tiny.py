@@ -12,6 +12,7 @@ The image processor keeps the preset's values except ``max_pixels``, which defau
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -201,10 +202,11 @@ def build_tiny_model(preset: str, out: Path, seed: int = 0, *, max_pixels: int |
         Qwen3VLForConditionalGeneration,
         Qwen3VLProcessor,
     )
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
     from transformers.utils import logging as hf_logging
+
+    from rawmm.materialize import qwen_image_processor
 
     _, image = resolve_preset(preset)
     if max_pixels is None:
@@ -219,15 +221,7 @@ def build_tiny_model(preset: str, out: Path, seed: int = 0, *, max_pixels: int |
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config).to(torch.float32).eval()
-    image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=image.min_pixels,
-        max_pixels=max_pixels,
-        patch_size=image.patch_size,
-        merge_size=image.merge_size,
-        temporal_patch_size=image.temporal_patch_size,
-        image_mean=list(image.image_mean),
-        image_std=list(image.image_std),
-    )
+    image_processor = qwen_image_processor(dataclasses.replace(image, max_pixels=max_pixels), backend="pil")
     # Processors need a video processor to load; rawmm sends no video, so it just mirrors the patch layout.
     video_class = Qwen2VLVideoProcessor if preset == "qwen2_vl" else Qwen3VLVideoProcessor
     video_processor = video_class(

@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "load_processor": "rawmm.materialize.processor",
     "materialize_engine_item": "rawmm.materialize.engine",
     "parse_byte_size": "rawmm.quantity",
+    "qwen_image_processor": "rawmm.materialize.processor",
     "read_ref_image": "rawmm.materialize.read",
 }
 
@@ -44,6 +45,7 @@ __all__ = [
     "load_processor",
     "materialize_engine_item",
     "parse_byte_size",
+    "qwen_image_processor",
     "read_ref_image",
 ]
 
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
     from rawmm.materialize.engine import materialize_engine_item
     from rawmm.materialize.items import EngineItem, FieldKind, ForwardPolicy, TrainerInputs, collate
     from rawmm.materialize.kimi import KimiK25ImageProcessor
-    from rawmm.materialize.processor import LoadedProcessor, load_processor
+    from rawmm.materialize.processor import LoadedProcessor, load_processor, qwen_image_processor
     from rawmm.materialize.read import DEFAULT_MAX_IMAGE_PIXELS, read_ref_image
     from rawmm.quantity import parse_byte_size
 

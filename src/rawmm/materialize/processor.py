@@ -39,6 +39,28 @@ class LoadedProcessor:
     fingerprint: str  # the family's short digest of (config, backend), as carried in refs
 
 
+def qwen_image_processor(config: Any, backend: str = "pil") -> Any:
+    """A transformers Qwen-VL image processor with ``config``'s layout and pixel values, on ``backend``.
+
+    For writing a checkpoint's processor (tiny models, benchmarks); serving loads with ``load_processor``.
+    """
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+    if backend not in BACKENDS:
+        raise ValueError(f"processor backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    processor_class = Qwen2VLImageProcessorPil if backend == "pil" else Qwen2VLImageProcessor
+    return processor_class(
+        min_pixels=config.min_pixels,
+        max_pixels=config.max_pixels,
+        patch_size=config.patch_size,
+        merge_size=config.merge_size,
+        temporal_patch_size=config.temporal_patch_size,
+        image_mean=list(config.image_mean),
+        image_std=list(config.image_std),
+    )
+
+
 def _checkpoint_file(path: str, name: str) -> Path | None:
     """A file of a local checkpoint dir or of a hub id (through transformers' cache), or None if absent."""
     local = Path(path)
