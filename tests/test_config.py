@@ -133,6 +133,11 @@ def test_integer_cache_size_from_yaml_is_kept_as_text(tmp_path: Path) -> None:
         ),
         ({"trainer": {"learning_rate": -1}}, "trainer.learning_rate", "greater than 0"),
         (
+            {"trainer": {"seq_len": 1024, "micro_batch_tokens": 512}},
+            "trainer",
+            "trainer.seq_len (1024) must not exceed trainer.micro_batch_tokens (512)",
+        ),
+        (
             {"monitoring": {"trainer_metrics_port": 70000}},
             "monitoring.trainer_metrics_port",
             "less than or equal",

@@ -228,6 +228,14 @@ class OrchestratorSpec(Scheduling, OrchestratorConfig):
 
 class TrainerSpec(Scheduling, TrainerConfig):
     model_config = CAMEL
+    # TrainerConfig checks this too; the CEL copy lets the API server refuse such an RLRun at creation.
+    rules = (
+        Rule(
+            cel="self.seqLen <= self.microBatchTokens",
+            message="seqLen must not exceed microBatchTokens: a truncated sample has to fit in one micro-batch",
+            holds=lambda s: s.seq_len <= s.micro_batch_tokens,
+        ),
+    )
     image: str = default_image("trainer")
     nodes: int = Field(default=1, ge=1)
     gpus_per_node: int = Field(default=1, ge=0)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rawmm.quantity import BYTE_SIZE_PATTERN, parse_byte_size
 
@@ -122,6 +122,16 @@ class TrainerConfig(StrictModel):
     max_grad_norm: float = Field(default=1.0, gt=0.0)
     weight_decay: float = Field(default=0.0, ge=0.0)
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _seq_len_fits_a_micro_batch(self) -> TrainerConfig:
+        # Checked here, not in the trainer, so `rawmm run` and the operator refuse it before starting anything.
+        if self.seq_len > self.micro_batch_tokens:
+            raise ValueError(
+                f"trainer.seq_len ({self.seq_len}) must not exceed trainer.micro_batch_tokens "
+                f"({self.micro_batch_tokens}): a truncated sample has to fit in one micro-batch"
+            )
+        return self
 
 
 class MonitoringConfig(StrictModel):

@@ -57,6 +57,9 @@ ISSUE_EXAMPLE: dict[str, Any] = {
         "steps": 100,
         "learningRate": 1e-6,
         "seqLen": 8192,
+        # The issue's example leaves this at its default (4096), which a trainer cannot run with
+        # (a truncated sample must fit one micro-batch); the CRD refuses that at creation.
+        "microBatchTokens": 16384,
         "missingImagePolicy": "error",
         "resources": {"requests": {"cpu": "32", "memory": "256Gi"}},
     },

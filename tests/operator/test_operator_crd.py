@@ -211,3 +211,13 @@ def test_run_name_length_rule() -> None:
     (rule,) = cel_rules(open_api_schema())
     assert evaluate(rule["rule"], {"metadata": {"name": "a" * 40}})
     assert not evaluate(rule["rule"], {"metadata": {"name": "a" * 41}})
+
+
+def test_trainer_seq_len_rule_agrees_with_the_run_config() -> None:
+    node = open_api_schema()["properties"]["spec"]["properties"]["trainer"]
+    (rule,) = cel_rules(node)
+    for seq_len, micro in [(512, 512), (1024, 512), (2048, 4096)]:
+        raw = apply_schema_defaults(node, {"seqLen": seq_len, "microBatchTokens": micro})
+        assert evaluate(rule["rule"], raw) == (seq_len <= micro)
+    # defaults alone (seqLen 2048, microBatchTokens 4096) pass
+    assert evaluate(rule["rule"], apply_schema_defaults(node, {}))

@@ -38,11 +38,6 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     config = load_run_config(args.config)
     steps = steps_to_run(args.steps, config)
-    if config.trainer.seq_len > config.trainer.micro_batch_tokens:
-        raise CliError(
-            f"trainer.seq_len ({config.trainer.seq_len}) must not exceed trainer.micro_batch_tokens "
-            f"({config.trainer.micro_batch_tokens}): a truncated sample has to fit in one micro-batch"
-        )
     dist = init_distributed()
     try:
         try:
