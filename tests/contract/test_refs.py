@@ -177,3 +177,11 @@ def test_encode_refuses_what_parse_would_refuse() -> None:
         encode_ref(good, "XYZ")
     with pytest.raises(InvalidImageRef):
         encode_ref(RawImageDescriptor("qwen_vl", "image", {}, "s3://bucket/x.png"), "ab" * 16)
+
+
+def test_a_lone_surrogate_escape_in_the_uri_is_malformed() -> None:
+    # Valid JSON whose decoded string cannot be encoded: it must stop at the parser, not reach the file system.
+    text = _valid_ref().replace(".png", "\\ud800.png")
+    with pytest.raises(InvalidImageRef) as info:
+        parse_ref(text)
+    assert info.value.reason == "malformed_ref" and "surrogate" in info.value.message

@@ -250,3 +250,18 @@ def test_read_verified_detects_changed_bytes_and_bad_hashes(
     with pytest.raises(InvalidImageRef) as info:
         offload_store.read_verified(stored.uri, "not-hex")
     assert info.value.reason == "malformed_ref"
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        "\ud800.png",  # a lone surrogate (a JSON ref's "\ud800" escape): not encodable as a path
+        "%ED%A0%80.png",  # the same surrogate percent-encoded: not UTF-8
+        "ab/" + "a" * 300 + ".png",  # one component over NAME_MAX
+        "ab/" * 1500 + "x.png",  # the whole path over PATH_MAX
+    ],
+)
+def test_unusable_paths_are_malformed_refs(offload_store: OffloadStore, tail: str) -> None:
+    with pytest.raises(InvalidImageRef) as info:
+        offload_store.resolve(f"file://{offload_store.root}/{tail}")
+    assert info.value.reason == "malformed_ref"

@@ -46,6 +46,10 @@ def _check_uri(value: Any) -> str:
         raise _malformed(f"raw_image_uri must be a file:// URI, got {value!r:.80}")
     if any(ch in value for ch in "\x00\r\n"):
         raise _malformed("raw_image_uri contains control characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate from a JSON "\\ud800" escape: no file can have that name
+        raise _malformed("raw_image_uri is not valid Unicode (lone surrogate)") from None
     return value
 
 

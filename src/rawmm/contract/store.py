@@ -16,6 +16,7 @@ import io
 import os
 import re
 import secrets
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,9 @@ MM_HASH_CHARS = 32
 _FILE_SCHEME = "file://"
 _EXT_BY_FORMAT = {"PNG": "png", "JPEG": "jpg", "WEBP": "webp", "GIF": "gif"}
 _STORED_NAME_RE = re.compile(r"([0-9a-f]{64})\.(png|jpg|webp|gif|img)")
+# Linux limits: longer paths or components fail with ENAMETOOLONG, which must not reach a caller as OSError.
+_PATH_MAX = 4096
+_NAME_MAX = 255
 
 
 @dataclass(frozen=True)
@@ -78,22 +82,39 @@ def resolve_uri(uri: Any, roots: Sequence[Path]) -> Path:
         raw_path = unquote(parts.path, errors="strict")
     except UnicodeDecodeError:
         raise InvalidImageRef("malformed_ref", "file URI path is not UTF-8") from None
-    if "\x00" in raw_path:
-        raise InvalidImageRef("malformed_ref", "file URI contains a NUL byte")
+    _check_path_text(raw_path)
     candidate = Path(raw_path)
     if not candidate.is_absolute():
-        raise InvalidImageRef("outside_offload_root", f"file URI path {raw_path!r} is not absolute")
+        raise InvalidImageRef("outside_offload_root", f"file URI path {raw_path[:200]!r} is not absolute")
     try:
         real = candidate.resolve()
     except (OSError, RuntimeError) as exc:
-        raise InvalidImageRef("unreadable_file", f"cannot resolve {raw_path!r}: {exc}") from None
+        raise InvalidImageRef("unreadable_file", f"cannot resolve {raw_path[:200]!r}: {exc}") from None
     if not any(real != root and real.is_relative_to(root) for root in roots):
-        raise InvalidImageRef("outside_offload_root", f"{raw_path!r} is outside the offload root")
-    if not real.exists():
-        raise InvalidImageRef("missing_file", f"{raw_path!r} does not exist")
-    if not real.is_file():
-        raise InvalidImageRef("unreadable_file", f"{raw_path!r} is not a regular file")
+        raise InvalidImageRef("outside_offload_root", f"{raw_path[:200]!r} is outside the offload root")
+    try:
+        mode = real.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise InvalidImageRef("missing_file", f"{raw_path[:200]!r} does not exist") from None
+    except OSError as exc:
+        raise InvalidImageRef("unreadable_file", f"cannot stat {raw_path[:200]!r}: {exc.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise InvalidImageRef("unreadable_file", f"{raw_path[:200]!r} is not a regular file")
     return real
+
+
+def _check_path_text(path: str) -> None:
+    """Refuse, before any system call, a path no file system could hold: the OS would raise instead."""
+    if "\x00" in path:
+        raise InvalidImageRef("malformed_ref", "file URI contains a NUL byte")
+    try:
+        encoded = os.fsencode(path)
+    except UnicodeEncodeError:  # a lone surrogate, e.g. from a JSON "\ud800" escape
+        raise InvalidImageRef("malformed_ref", "file URI path is not valid Unicode") from None
+    if len(encoded) >= _PATH_MAX or any(len(part) > _NAME_MAX for part in encoded.split(b"/")):
+        raise InvalidImageRef(
+            "malformed_ref", f"file URI path is longer than the file system allows ({len(encoded)} bytes)"
+        )
 
 
 def _identify(data: bytes, source: str) -> tuple[str, int, int]:
