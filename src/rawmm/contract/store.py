@@ -3,7 +3,9 @@
 ``<root>/<sha[0:2]>/<sha>.<ext>``: the bytes' sha256 names the file, so equal bytes always land on one
 path and one URI. Writes go to a temporary file in the target directory and are published with
 ``os.replace``, so a reader never sees a partial file and concurrent writers of the same bytes simply
-replace an identical file. Re-offloading existing bytes touches the file: its mtime is its last use.
+replace an identical file. Re-offloading existing bytes touches the file: its mtime is its last use,
+which is what garbage collection goes by (``rawmm.contract.gc`` describes the protocol that keeps a reuse
+racing a collection from losing its file).
 """
 
 from __future__ import annotations
@@ -11,13 +13,15 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import fcntl
 import hashlib
 import io
 import os
 import re
 import secrets
 import stat
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -32,6 +36,12 @@ MM_HASH_CHARS = 32
 _FILE_SCHEME = "file://"
 _EXT_BY_FORMAT = {"PNG": "png", "JPEG": "jpg", "WEBP": "webp", "GIF": "gif"}
 _STORED_NAME_RE = re.compile(r"([0-9a-f]{64})\.(png|jpg|webp|gif|img)")
+# `_write_atomic`'s temporary files: `.<sha>.<ext>.<16 hex>.tmp` next to their final name.
+_TEMP_NAME_RE = re.compile(r"\.([0-9a-f]{64})\.(png|jpg|webp|gif|img)\.[0-9a-f]{16}\.tmp")
+# A stored file last used longer ago than this is reused only under its directory's shared GC lock; a
+# younger one is touched lock-free (garbage collection never takes files this young: see rawmm.contract.gc).
+REUSE_UNLOCKED_AGE_S = 300.0
+GC_LOCK_NAME = ".gc.lock"
 # Linux limits: longer paths or components fail with ENAMETOOLONG, which must not reach a caller as OSError.
 _PATH_MAX = 4096
 _NAME_MAX = 255
@@ -143,15 +153,64 @@ def _decode_data_url(url: str) -> bytes:
     return unquote(body).encode("latin-1")
 
 
+def stored_sha(name: str) -> str | None:
+    """The sha256 a store file name (``<sha>.<ext>``) carries; None for any other name."""
+    match = _STORED_NAME_RE.fullmatch(name)
+    return match.group(1) if match else None
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is one of the store's temporary files (a write in progress, or a dead writer's)."""
+    return _TEMP_NAME_RE.fullmatch(name) is not None
+
+
+@contextlib.contextmanager
+def directory_lock(directory: str | Path, *, exclusive: bool) -> Iterator[None]:
+    """Hold a fan-out directory's GC lock: exclusive for a collection, shared for a writer reusing an old file.
+
+    ``flock`` is released by the kernel when its holder dies, so a killed collector or writer never leaves
+    the directory locked. On NFS Linux emulates it with whole-file byte-range locks, which the server
+    arbitrates across clients; an exclusive one needs the file open for writing.
+    """
+    path = f"{directory}/{GC_LOCK_NAME}"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:  # another user's lock file: a shared lock needs only read access
+        if exclusive:
+            raise
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _touch(path: str | Path) -> bool:
-    """Mark a stored file as just used; False if it does not exist."""
+    """Mark a stored file as just used; False if it does not exist or its mtime cannot be set (another
+    user's file on a shared volume): the caller then writes a fresh copy, whose mtime records this use."""
     try:
         os.utime(path)
+    except (FileNotFoundError, PermissionError):
+        return False
+    return True
+
+
+def _reuse(directory: str, path: str) -> bool:
+    """Touch an existing stored file as reused; False if the caller must write it (absent or untouchable).
+
+    A file unused for REUSE_UNLOCKED_AGE_S may be in a collector's hands, so it is touched under the
+    directory's shared lock: the touch lands wholly before the collector's last look (which then keeps it)
+    or wholly after its unlink (the touch fails and the caller writes the file again).
+    """
+    try:
+        mtime = os.stat(path).st_mtime
     except FileNotFoundError:
         return False
-    except PermissionError:
-        pass  # written by another user on a shared volume: it exists, the mtime just stays
-    return True
+    if time.time() - mtime < REUSE_UNLOCKED_AGE_S:
+        return _touch(path)
+    with directory_lock(directory, exclusive=False):
+        return _touch(path)
 
 
 class OffloadStore:
@@ -223,7 +282,9 @@ class OffloadStore:
         if match is None or path.parent.parent != self.root or path.parent.name != match.group(1)[:2]:
             # A file under the root that the store did not name: ingest its bytes properly.
             return self._put_file(path)
-        _touch(path)
+        if not _reuse(str(path.parent), str(path)):
+            # Collected since it was resolved, or another user's file: write it anew from its bytes.
+            return self._put_file(path)
         try:
             with Image.open(path) as image:
                 width, height = image.size
@@ -239,7 +300,7 @@ class OffloadStore:
         # Plain strings on this path: it runs once per image of every rollout turn.
         directory = f"{self._root_str}/{sha[:2]}"
         path = f"{directory}/{sha}.{ext}"
-        if not _touch(path):
+        if not _reuse(directory, path):
             _write_atomic(directory, path, data)
         return StoredImage(
             uri=_FILE_SCHEME + quote(path), sha256=sha, path=Path(path), width=width, height=height
@@ -255,10 +316,20 @@ def _open_new(tmp: str, directory: str) -> BinaryIO:
 
 
 def _write_atomic(directory: str, path: str, data: bytes) -> None:
+    """Publish ``data`` at ``path`` whole or not at all.
+
+    The data is fsynced before the rename. Without that, a crash (of this host, or of an NFS server before
+    its COMMIT) can leave the final name on an empty or partial file, and a content-addressed name is never
+    rewritten once it exists (reuse only touches it), so one crash would poison those bytes for the rest of
+    the run. The directory is not fsynced: a rename lost in a crash loses only the name, which the next put
+    of the same bytes recreates. A temporary file left by a killed writer is removed by ``rawmm gc``.
+    """
     tmp = f"{directory}/.{path[len(directory) + 1 :]}.{secrets.token_hex(8)}.tmp"
     try:
         with _open_new(tmp, directory) as handle:
             handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
