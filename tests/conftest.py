@@ -29,3 +29,19 @@ def tiny_qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def offload_store(tmp_path: Path) -> OffloadStore:
     """An empty offload store rooted in this test's tmp dir."""
     return OffloadStore(tmp_path / "offload")
+
+
+# Fixtures that start the real control plane or a Prometheus server: a test using one is a `cluster` test,
+# so `-m 'not cluster'` really leaves out everything that needs them.
+CLUSTER_FIXTURES = frozenset({"kube_cluster", "prometheus"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = [
+        item.nodeid
+        for item in items
+        if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ()))
+        and item.get_closest_marker("cluster") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(f"tests using {sorted(CLUSTER_FIXTURES)} must be marked cluster: {unmarked}")

@@ -93,3 +93,15 @@ def test_image_filed_under_the_wrong_engine_modality() -> None:
     with pytest.raises(InvalidImageRef) as info:
         parse_features(features, token_ids=[PAD], placeholder_token_id=PAD)
     assert info.value.reason == "modality_mismatch"
+
+
+def test_overlapping_placeholders_on_image_tokens_only() -> None:
+    # Both spans lie wholly on placeholder tokens inside the prompt: only the overlap check can refuse them.
+    token_ids = [1, PAD, PAD, PAD, PAD, PAD, 4]
+    features = request_features([placed(1, 3, 1), placed(3, 3, 2)])
+    with pytest.raises(InvalidImageRef) as info:
+        parse_features(features, token_ids=token_ids, placeholder_token_id=PAD)
+    assert info.value.reason == "placeholder_mismatch" and "overlaps" in str(info.value)
+    # Adjacent spans (the second starts where the first ends) are fine.
+    adjacent = request_features([placed(1, 2, 1), placed(3, 3, 2)])
+    assert len(parse_features(adjacent, token_ids=token_ids, placeholder_token_id=PAD)) == 2
