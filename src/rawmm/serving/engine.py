@@ -14,7 +14,12 @@ from rawmm.serving.schemas import Sampling
 
 
 class InvalidRequest(ValueError):
-    """A client error that is not about an image ref (token ids, lengths, a weights path): HTTP 400."""
+    """A client error that is not about an image ref (token ids, lengths, a weights path): HTTP 400
+    ``invalid_request`` with ``reason``, a stable snake_case name clients can branch on."""
+
+    def __init__(self, message: str, *, reason: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -92,11 +97,15 @@ class Engine(ABC):
         """Reject a prompt the model cannot take (``InvalidRequest``) before any work is done for it."""
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidRequest(
+                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                reason="token_out_of_vocabulary",
+            )
         if len(token_ids) + max_tokens > self.max_model_len:
             raise InvalidRequest(
                 f"{len(token_ids)} prompt tokens + max_tokens {max_tokens} exceed the model's "
-                f"{self.max_model_len}-token context"
+                f"{self.max_model_len}-token context",
+                reason="prompt_too_long",
             )
 
     @abstractmethod
