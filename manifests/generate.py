@@ -5,7 +5,8 @@
 
 - manifests/crds/rlruns.rawmm.dev.yaml   the RLRun CRD from the operator's pydantic models (what `rawmm manifests` writes)
 - charts/rawmm/templates/crd.yaml        the same CRD, inside the chart's `crds.install` / `crds.keep` switches
-- manifests/install.yaml                 the chart rendered with its default values, for `kubectl apply -f`
+- manifests/install.yaml                 the chart rendered with its default values for a bare cluster, for `kubectl apply -f`
+- manifests/monitoring.yaml              its ServiceMonitor and PrometheusRule, for clusters with the prometheus-operator CRDs
 
 The tests import `render_chart` from here too, so the files and the tests see one rendering.
 """
@@ -13,15 +14,18 @@ The tests import `render_chart` from here too, so the files and the tests see on
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import helm_python as helm
 import yaml
+from helm_python import _native
 
 REPO = Path(__file__).resolve().parents[1]
 CHART_DIR = REPO / "charts" / "rawmm"
@@ -29,6 +33,11 @@ CRD_MANIFEST = REPO / "manifests" / "crds" / "rlruns.rawmm.dev.yaml"
 CRD_TEMPLATE_IN_CHART = Path("templates") / "crd.yaml"
 CRD_TEMPLATE = CHART_DIR / CRD_TEMPLATE_IN_CHART
 INSTALL_MANIFEST = REPO / "manifests" / "install.yaml"
+MONITORING_MANIFEST = REPO / "manifests" / "monitoring.yaml"
+# The prometheus-operator kinds the chart creates only where the cluster serves them
+# (`.Capabilities.APIVersions.Has`); rendering "for a cluster with the prometheus-operator" names them.
+MONITORING_GROUP = "monitoring.coreos.com/v1"
+MONITORING_APIS = (f"{MONITORING_GROUP}/ServiceMonitor", f"{MONITORING_GROUP}/PrometheusRule")
 # What `manifests/install.yaml` is rendered as: `helm install rawmm charts/rawmm -n rawmm-system`.
 INSTALL_RELEASE = "rawmm"
 INSTALL_NAMESPACE = "rawmm-system"
@@ -84,10 +93,22 @@ def render_chart(
     release: str = INSTALL_RELEASE,
     namespace: str = INSTALL_NAMESPACE,
     chart_dir: Path = CHART_DIR,
+    api_versions: Sequence[str] = MONITORING_APIS,
 ) -> list[RenderedDoc]:
-    """Render the chart offline (Helm's Go SDK) into its objects, in template order."""
+    """Render the chart offline (Helm's Go SDK) into its objects, in template order, as for a cluster
+    that serves `api_versions` (default: one with the prometheus-operator CRDs)."""
+    options = {
+        "name": release,
+        "namespace": namespace,
+        "is_install": True,
+        "api_versions": list(api_versions),
+    }
     with helm.Chart.load(chart_dir) as chart:
-        rendered = chart.render(values, name=release, namespace=namespace, is_install=True)
+        # `Chart.render` has no api_versions argument; the native call it wraps takes them.
+        payload = _native.call_string(
+            "helm_render", chart._raw(), json.dumps(values) if values else None, json.dumps(options)
+        )
+    rendered: dict[str, str] = json.loads(payload)
     docs = []
     for template in sorted(rendered):
         if template.endswith("NOTES.txt"):
@@ -148,8 +169,21 @@ def install_manifest_text(docs: list[RenderedDoc]) -> str:
         f"# {GENERATED}\n"
         f"# The rawmm chart (charts/rawmm) rendered with its default values as release {INSTALL_RELEASE!r} in\n"
         f"# namespace {INSTALL_NAMESPACE!r}, for clusters without Helm: kubectl apply -f manifests/install.yaml\n"
+        "# It applies on a bare cluster; the ServiceMonitor and PrometheusRule are in monitoring.yaml.\n"
     ]
     parts += [f"---\n# Source: {doc.template}\n{dump_yaml(doc.body)}" for doc in ordered]
+    return "".join(parts)
+
+
+def monitoring_manifest_text(docs: list[RenderedDoc]) -> str:
+    parts = [
+        f"# {GENERATED}\n"
+        "# The chart's prometheus-operator objects (default values), for clusters that have its CRDs:\n"
+        "#   kubectl apply -f manifests/install.yaml -f manifests/monitoring.yaml\n"
+    ]
+    parts += [
+        f"---\n# Source: {doc.template}\n{dump_yaml(doc.body)}" for doc in sorted(docs, key=_apply_rank)
+    ]
     return "".join(parts)
 
 
@@ -164,12 +198,15 @@ def generated_files() -> dict[Path, str]:
         chart_dir = Path(tmp) / CHART_DIR.name
         shutil.copytree(CHART_DIR, chart_dir)
         (chart_dir / CRD_TEMPLATE_IN_CHART).write_text(template)
-        docs = render_chart(chart_dir=chart_dir)
+        bare = render_chart(chart_dir=chart_dir, api_versions=())
+        monitored = render_chart(chart_dir=chart_dir)
+    monitoring = [doc for doc in monitored if doc.body["apiVersion"] == MONITORING_GROUP]
     return {
         # The very text `rawmm manifests` writes, so the two commands never disagree.
         CRD_MANIFEST: crd_yaml(),
         CRD_TEMPLATE: template,
-        INSTALL_MANIFEST: install_manifest_text(docs),
+        INSTALL_MANIFEST: install_manifest_text(bare),
+        MONITORING_MANIFEST: monitoring_manifest_text(monitoring),
     }
 
 

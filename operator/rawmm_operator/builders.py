@@ -6,10 +6,14 @@ collected with it), except a PVC kept by `retainOnDelete` and a claim the user b
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+from rawmm.config import RunConfig
 from rawmm.quantity import parse_byte_size
 from rawmm_operator.spec import (
     API_GROUP,
@@ -19,18 +23,30 @@ from rawmm_operator.spec import (
     RUN_CONFIG_DIR,
     RUN_CONFIG_FILE,
     SHARED_MOUNT,
+    PodSettings,
     Resources,
     RLRunSpec,
-    Scheduling,
+    default_image,
     run_config,
 )
 
 RUN_LABEL = f"{API_GROUP}/run"
 COMPONENT_LABEL = "app.kubernetes.io/component"
+# Kueue admits a Job that carries this label; copied from the RLRun to its Jobs.
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+# The hash of what a Job runs (its spec and the run config it reads): a Job's template is immutable, so a
+# changed hash means the operator replaces the Job (the new one resumes from the latest checkpoint).
+TEMPLATE_HASH = f"{API_GROUP}/template-hash"
+# The RLRun's `suspend` the operator last carried to a Job: the Job's own `suspend` changes only when
+# the RLRun's does, so a queue (Kueue) that suspends or admits a Job is never overruled.
+RUN_SUSPEND = f"{API_GROUP}/run-suspend"
 TORCHRUN_PORT = 29500
 # The images run as this user (images/ Dockerfiles); fsGroup makes the shared volume writable for it.
 POD_USER = 1000
-GPU_RESOURCE = "nvidia.com/gpu"
+# The engines' and orchestrator's shared secret for `POST /v1/rawmm/weights` (issue #13): a Secret per run.
+WEIGHTS_TOKEN_ENV = "RAWMM_WEIGHTS_TOKEN"
+WEIGHTS_TOKEN_KEY = "token"
+HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 
 Manifest = dict[str, Any]
 
@@ -50,6 +66,7 @@ class RunRef:
     name: str
     namespace: str
     uid: str
+    queue_name: str | None = None  # the RLRun's Kueue queue label, if any
 
 
 # Child names, in one place so the handlers find what the builders made.
@@ -59,6 +76,10 @@ def claim_name(run: RunRef, spec: RLRunSpec) -> str:
 
 def config_map_name(run: RunRef) -> str:
     return f"{run.name}-config"
+
+
+def weights_secret_name(run: RunRef) -> str:
+    return f"{run.name}-weights"
 
 
 def engine_name(run: RunRef) -> str:
@@ -113,33 +134,28 @@ def format_mebibytes(n_bytes: int) -> str:
     return f"{math.ceil(n_bytes / 2**20)}Mi"
 
 
-def container_resources(resources: Resources, *, gpus: int, extra_memory_bytes: int = 0) -> dict[str, Any]:
-    """Requests/limits from the spec, with `extra_memory_bytes` added to memory and GPUs as a limit."""
+def container_resources(
+    resources: Resources, *, gpus: int, accelerator: str = "nvidia.com/gpu", extra_memory_bytes: int = 0
+) -> dict[str, Any]:
+    """Requests and limits from the spec, with `extra_memory_bytes` (an engine's cache budget) added.
+
+    The memory request is the user's request (else their limit, which Kubernetes would copy into an
+    absent request) plus the extra; a limit appears only where the user set one, plus the extra.
+    Accelerators are requested and limited alike (extended resources cannot be overcommitted).
+    """
     requests = dict(resources.requests)
     limits = dict(resources.limits)
     if extra_memory_bytes:
-        base_request = parse_byte_size(requests.get("memory", 0))
+        base_request = parse_byte_size(requests.get("memory", limits.get("memory", 0)))
         requests["memory"] = format_mebibytes(base_request + extra_memory_bytes)
-        # Without a limit of its own the container may use what it requested: the cache must fit.
-        base_limit = parse_byte_size(limits["memory"]) if "memory" in limits else base_request
-        limits["memory"] = format_mebibytes(base_limit + extra_memory_bytes)
+        if "memory" in limits:
+            limits["memory"] = format_mebibytes(parse_byte_size(limits["memory"]) + extra_memory_bytes)
     if gpus:
-        requests[GPU_RESOURCE] = gpus
-        limits[GPU_RESOURCE] = gpus
+        requests[accelerator] = gpus
+        limits[accelerator] = gpus
     out: dict[str, Any] = {"requests": requests}
     if limits:
         out["limits"] = limits
-    return out
-
-
-def _scheduling(section: Scheduling) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if section.node_selector:
-        out["nodeSelector"] = dict(section.node_selector)
-    if section.tolerations:
-        out["tolerations"] = list(section.tolerations)
-    if section.affinity:
-        out["affinity"] = dict(section.affinity)
     return out
 
 
@@ -148,6 +164,9 @@ POD_SECURITY = {
     "runAsUser": POD_USER,
     "runAsGroup": POD_USER,
     "fsGroup": POD_USER,
+    # Re-own the volume only when its root is not ours yet: a recursive chown of a large shared volume at
+    # every pod start takes minutes.
+    "fsGroupChangePolicy": "OnRootMismatch",
     "seccompProfile": {"type": "RuntimeDefault"},
 }
 CONTAINER_SECURITY = {
@@ -163,18 +182,30 @@ COMMON_ENV = [
 ]
 
 
-def _volumes(run: RunRef, spec: RLRunSpec, *, config: bool) -> list[dict[str, Any]]:
+def _weights_token_env(run: RunRef) -> dict[str, Any]:
+    ref = {"name": weights_secret_name(run), "key": WEIGHTS_TOKEN_KEY}
+    return {"name": WEIGHTS_TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}}
+
+
+def _env(ours: list[dict[str, Any]], role: PodSettings) -> list[dict[str, Any]]:
+    """The operator's variables, then the user's; a user variable replaces one of ours by name."""
+    theirs = {e.get("name") for e in role.env}
+    return [e for e in ours if e["name"] not in theirs] + list(role.env)
+
+
+def _volumes(run: RunRef, spec: RLRunSpec, role: PodSettings, *, config: bool) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [
         {"name": "shared", "persistentVolumeClaim": {"claimName": claim_name(run, spec)}},
         {"name": "tmp", "emptyDir": {}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        # A memory emptyDir counts against the container's memory limit: bounded, so it cannot eat it all.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": role.shm_size}},
     ]
     if config:
         volumes.append({"name": "config", "configMap": {"name": config_map_name(run)}})
-    return volumes
+    return volumes + list(role.volumes)
 
 
-def _mounts(*, config: bool) -> list[dict[str, Any]]:
+def _mounts(role: PodSettings, *, config: bool) -> list[dict[str, Any]]:
     mounts = [
         {"name": "shared", "mountPath": str(SHARED_MOUNT)},
         {"name": "tmp", "mountPath": "/tmp"},
@@ -182,7 +213,64 @@ def _mounts(*, config: bool) -> list[dict[str, Any]]:
     ]
     if config:
         mounts.append({"name": "config", "mountPath": str(RUN_CONFIG_DIR), "readOnly": True})
-    return mounts
+    return mounts + list(role.volume_mounts)
+
+
+def _affinity(run: RunRef, spec: RLRunSpec, role: PodSettings) -> dict[str, Any]:
+    """The role's affinity; with a ReadWriteOnce volume, plus a required affinity to the node of the run's
+    other pods (the first pod placed picks the node: a pod that matches its own term may go anywhere)."""
+    affinity = copy.deepcopy(role.affinity)
+    if spec.offload.access_mode == "ReadWriteOnce":
+        pod_affinity = affinity.setdefault("podAffinity", {})
+        pod_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(
+            {"labelSelector": {"matchLabels": {RUN_LABEL: run.name}}, "topologyKey": HOSTNAME_TOPOLOGY}
+        )
+    return affinity
+
+
+def _pod_spec(
+    run: RunRef,
+    spec: RLRunSpec,
+    role: PodSettings,
+    containers: list[dict[str, Any]],
+    *,
+    config: bool,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A pod spec of the operator's containers with the role's overrides merged in."""
+    pod: dict[str, Any] = {
+        "securityContext": POD_SECURITY,
+        "containers": containers,
+        "volumes": _volumes(run, spec, role, config=config),
+        **extra,
+    }
+    optional = {
+        "nodeSelector": dict(role.node_selector),
+        "tolerations": list(role.tolerations),
+        "affinity": _affinity(run, spec, role),
+        "topologySpreadConstraints": list(role.topology_spread_constraints),
+        "priorityClassName": role.priority_class_name,
+        "schedulerName": role.scheduler_name,
+        "runtimeClassName": role.runtime_class_name,
+        "serviceAccountName": role.service_account_name,
+        "imagePullSecrets": list(role.image_pull_secrets),
+    }
+    pod.update({key: value for key, value in optional.items() if value})
+    return pod
+
+
+def _pod_template(run: RunRef, component: str, role: PodSettings, pod_spec: dict[str, Any]) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"labels": {**role.labels, **labels(run, component)}}
+    if role.annotations:
+        metadata["annotations"] = dict(role.annotations)
+    return {"metadata": metadata, "spec": pod_spec}
+
+
+def _container(role: PodSettings, **fields: Any) -> dict[str, Any]:
+    container = {**fields, "securityContext": CONTAINER_SECURITY}
+    if role.env_from:
+        container["envFrom"] = list(role.env_from)
+    return container
 
 
 def build_offload_claim(run: RunRef, spec: RLRunSpec) -> Manifest:
@@ -201,12 +289,23 @@ def build_offload_claim(run: RunRef, spec: RLRunSpec) -> Manifest:
     return claim
 
 
-def build_config_map(run: RunRef, spec: RLRunSpec) -> Manifest:
+def build_config_map(run: RunRef, config: RunConfig) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(run, config_map_name(run), "config"),
-        "data": {RUN_CONFIG_FILE: run_config(run.name, run.namespace, spec).to_yaml()},
+        "data": {RUN_CONFIG_FILE: config.to_yaml()},
+    }
+
+
+def build_weights_secret(run: RunRef, token: str) -> Manifest:
+    """The run's weights-endpoint token: created once with a random `token`, never rewritten."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(run, weights_secret_name(run), "weights"),
+        "type": "Opaque",
+        "stringData": {WEIGHTS_TOKEN_KEY: token},
     }
 
 
@@ -219,6 +318,9 @@ def _health_probe(*, period: int, failures: int) -> dict[str, Any]:
     }
 
 
+STARTUP_PROBE_PERIOD = 10
+
+
 def build_engine_statefulset(run: RunRef, spec: RLRunSpec, *, replicas: int) -> Manifest:
     inference = spec.inference
     args = [
@@ -229,6 +331,8 @@ def build_engine_statefulset(run: RunRef, spec: RLRunSpec, *, replicas: int) -> 
         "--port", str(ENGINE_PORT),
         "--offload-root", str(SHARED_MOUNT / "images"),
         "--processor-backend", spec.model.processor_backend,
+        # The weights endpoint loads checkpoints from here only (with the run's token).
+        "--weights-root", str(SHARED_MOUNT / "checkpoints"),
     ]  # fmt: skip
     if spec.model.trust_remote_code:
         args.append("--trust-remote-code")
@@ -238,27 +342,37 @@ def build_engine_statefulset(run: RunRef, spec: RLRunSpec, *, replicas: int) -> 
         vllm_args = ["--tensor-parallel-size", str(inference.tensor_parallel_size), *vllm_args]
     if vllm_args:
         args += ["--", *vllm_args]
-    container = {
-        "name": "engine",
-        "image": inference.image,
-        "command": ["rawmm"],
-        "args": args,
-        "env": [
-            {"name": "RAWMM_MATERIALIZE_CACHE_SIZE", "value": inference.materialize_cache_size},
-            *COMMON_ENV,
-        ],
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "resources": container_resources(
-            inference.resources, gpus=inference.gpus, extra_memory_bytes=inference.cache_size_bytes
+    container = _container(
+        inference,
+        name="engine",
+        image=inference.image or default_image("inference"),
+        command=["rawmm"],
+        args=args,
+        env=_env(
+            [
+                {"name": "RAWMM_MATERIALIZE_CACHE_SIZE", "value": inference.materialize_cache_size},
+                _weights_token_env(run),
+                *COMMON_ENV,
+            ],
+            inference,
         ),
-        # Loading weights can take many minutes: the startup probe holds the others off until then.
-        "startupProbe": _health_probe(period=10, failures=180),
-        "readinessProbe": _health_probe(period=5, failures=3),
-        "livenessProbe": _health_probe(period=15, failures=4),
-        "securityContext": CONTAINER_SECURITY,
-        "volumeMounts": _mounts(config=False),
-    }
-    pod_labels = labels(run, "engine")
+        ports=[{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        resources=container_resources(
+            inference.resources,
+            gpus=inference.gpus,
+            accelerator=inference.accelerator_resource,
+            extra_memory_bytes=inference.cache_size_bytes,
+        ),
+        # Loading weights can take many minutes (large models on NFS): the startup probe holds the others
+        # off for `startupTimeoutSeconds`.
+        startupProbe=_health_probe(
+            period=STARTUP_PROBE_PERIOD,
+            failures=math.ceil(inference.startup_timeout_seconds / STARTUP_PROBE_PERIOD),
+        ),
+        readinessProbe=_health_probe(period=5, failures=3),
+        livenessProbe=_health_probe(period=15, failures=4),
+        volumeMounts=_mounts(inference, config=False),
+    )
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -269,15 +383,9 @@ def build_engine_statefulset(run: RunRef, spec: RLRunSpec, *, replicas: int) -> 
             # Replicas are independent: start and replace them all at once.
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector(run, "engine")},
-            "template": {
-                "metadata": {"labels": pod_labels},
-                "spec": {
-                    "securityContext": POD_SECURITY,
-                    "containers": [container],
-                    "volumes": _volumes(run, spec, config=False),
-                    **_scheduling(inference),
-                },
-            },
+            "template": _pod_template(
+                run, "engine", inference, _pod_spec(run, spec, inference, [container], config=False)
+            ),
         },
     }
 
@@ -300,53 +408,85 @@ def _service(
     }
 
 
+def template_hash(job_spec: dict[str, Any], config: RunConfig) -> str:
+    """What a Job runs: its spec without `suspend` (which may change in place) and the run config it reads.
+    Of the inference section the orchestrator reads only the engines' URLs and the trainer nothing, so
+    an engine-only change (cache size, resources) restarts no Job."""
+    read = config.model_dump(mode="json")
+    read["inference"] = {"urls": read["inference"]["urls"]}
+    what = {"spec": {k: v for k, v in job_spec.items() if k != "suspend"}, "config": read}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def _job(
-    run: RunRef, spec: RLRunSpec, *, name: str, component: str, pod_spec: dict[str, Any], **job_spec: Any
+    run: RunRef,
+    spec: RLRunSpec,
+    *,
+    name: str,
+    component: str,
+    role: PodSettings,
+    pod_spec: dict[str, Any],
+    **job_spec: Any,
 ) -> Manifest:
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": _metadata(run, name, component),
-        "spec": {
-            # A failed RL process fails the run with its reason in the status; nothing retries silently.
-            "backoffLimit": 0,
-            "suspend": spec.suspend,
-            **job_spec,
-            "template": {
-                "metadata": {"labels": labels(run, component)},
-                "spec": {"restartPolicy": "Never", "securityContext": POD_SECURITY, **pod_spec},
-            },
+    container = pod_spec["containers"][0]["name"]
+    body: dict[str, Any] = {
+        # An eviction (drain, preemption, spot reclaim) is not the process's fault: the Job replaces the pod
+        # and the new one resumes from the latest checkpoint. A non-zero exit fails the Job (and the run)
+        # with its reason in the status; nothing retries silently.
+        "backoffLimit": 0,
+        "podFailurePolicy": {
+            "rules": [
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {"containerName": container, "operator": "NotIn", "values": [0]},
+                },
+            ]
         },
+        # The replacement starts once the old pod is gone: never two trainers writing one checkpoint.
+        "podReplacementPolicy": "Failed",
+        # Kueue admits a queued Job by unsuspending it, so such a Job is created suspended.
+        "suspend": spec.suspend or run.queue_name is not None,
+        **job_spec,
+        "template": _pod_template(run, component, role, {"restartPolicy": "Never", **pod_spec}),
     }
+    metadata = _metadata(run, name, component)
+    metadata["annotations"] = {RUN_SUSPEND: str(spec.suspend).lower()}
+    if run.queue_name is not None:
+        metadata["labels"][QUEUE_LABEL] = run.queue_name
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": body}
 
 
 def build_orchestrator_job(run: RunRef, spec: RLRunSpec) -> Manifest:
     orchestrator = spec.orchestrator
-    container = {
-        "name": "orchestrator",
-        "image": orchestrator.image,
-        "command": ["rawmm"],
-        "args": ["orchestrate", str(RUN_CONFIG_DIR / RUN_CONFIG_FILE)],
-        "env": list(COMMON_ENV),
-        "ports": [
+    container = _container(
+        orchestrator,
+        name="orchestrator",
+        image=orchestrator.image or default_image("trainer"),
+        command=["rawmm"],
+        args=["orchestrate", str(RUN_CONFIG_DIR / RUN_CONFIG_FILE)],
+        env=_env([_weights_token_env(run), *COMMON_ENV], orchestrator),
+        ports=[
             {"name": "metrics", "containerPort": spec.monitoring.orchestrator_metrics_port, "protocol": "TCP"}
         ],
-        "resources": container_resources(orchestrator.resources, gpus=0),
-        "securityContext": CONTAINER_SECURITY,
-        "volumeMounts": _mounts(config=True),
-    }
-    pod_spec = {
-        "containers": [container],
-        "volumes": _volumes(run, spec, config=True),
-        **_scheduling(orchestrator),
-    }
-    return _job(run, spec, name=orchestrator_name(run), component="orchestrator", pod_spec=pod_spec)
+        resources=container_resources(orchestrator.resources, gpus=0),
+        volumeMounts=_mounts(orchestrator, config=True),
+    )
+    pod_spec = _pod_spec(run, spec, orchestrator, [container], config=True)
+    return _job(
+        run, spec, name=orchestrator_name(run), component="orchestrator", role=orchestrator, pod_spec=pod_spec
+    )
 
 
 def trainer_command(run: RunRef, spec: RLRunSpec) -> list[str]:
     """`rawmm train`, under torchrun when the trainer spans several processes."""
-    train = ["rawmm", "train", str(RUN_CONFIG_DIR / RUN_CONFIG_FILE)]
     trainer = spec.trainer
+    train = [
+        "rawmm",
+        "train",
+        str(RUN_CONFIG_DIR / RUN_CONFIG_FILE),
+        f"--batch-timeout={trainer.batch_timeout_seconds}",
+    ]
     if not trainer.distributed:
         return train
     launcher = ["torchrun", f"--nproc-per-node={max(trainer.gpus_per_node, 1)}"]
@@ -381,29 +521,27 @@ def build_trainer_job(run: RunRef, spec: RLRunSpec) -> Manifest:
             }
         )
         ports.append({"name": "rendezvous", "containerPort": TORCHRUN_PORT, "protocol": "TCP"})
-    container = {
-        "name": "trainer",
-        "image": trainer.image,
-        "command": command[:1],
-        "args": command[1:],
-        "env": env,
-        "ports": ports,
-        "resources": container_resources(trainer.resources, gpus=trainer.gpus_per_node),
-        "securityContext": CONTAINER_SECURITY,
-        "volumeMounts": _mounts(config=True),
-    }
-    pod_spec: dict[str, Any] = {
-        "containers": [container],
-        "volumes": _volumes(run, spec, config=True),
-        **_scheduling(trainer),
-    }
-    if trainer.nodes > 1:
-        pod_spec["subdomain"] = trainer_name(run)
+    container = _container(
+        trainer,
+        name="trainer",
+        image=trainer.image or default_image("trainer"),
+        command=command[:1],
+        args=command[1:],
+        env=_env(env, trainer),
+        ports=ports,
+        resources=container_resources(
+            trainer.resources, gpus=trainer.gpus_per_node, accelerator=trainer.accelerator_resource
+        ),
+        volumeMounts=_mounts(trainer, config=True),
+    )
+    extra = {"subdomain": trainer_name(run)} if trainer.nodes > 1 else {}
+    pod_spec = _pod_spec(run, spec, trainer, [container], config=True, **extra)
     return _job(
         run,
         spec,
         name=trainer_name(run),
         component="trainer",
+        role=trainer,
         pod_spec=pod_spec,
         completionMode="Indexed",
         completions=trainer.nodes,
@@ -426,35 +564,46 @@ def build_pod_monitor(run: RunRef, settings: PodMonitorSettings) -> Manifest:
     }
 
 
+Stage = Literal["active", "finished", "expired"]
+
+
 def build_children(
     run: RunRef,
     spec: RLRunSpec,
     *,
-    finished: bool = False,
+    stage: Stage = "active",
     pod_monitor: PodMonitorSettings = PodMonitorSettings(),
 ) -> list[Manifest]:
-    """Every child of the run, in creation order (volume and config before the pods that mount them).
+    """Every child the run should have now, in creation order (volume and config before the pods that
+    mount them). The weights Secret is not among them: it is created once (`build_weights_secret`).
 
-    A finished run (Succeeded or Failed) keeps its engines at 0 replicas, releasing their GPUs, and no
-    longer manages its Jobs (they stay for their logs; a deleted one is not recreated).
+    A finished run (Succeeded or Failed) keeps its engines at 0 replicas, releasing their accelerators,
+    and no longer manages its Jobs (they stay for their logs). An expired one (`ttlSecondsAfterFinished`
+    passed) keeps only its volume.
     """
-    replicas = 0 if finished or spec.suspend else spec.inference.replicas
     children: list[Manifest] = []
     if spec.offload.existing_claim is None:
         children.append(build_offload_claim(run, spec))
+    if stage == "expired":
+        return children
+    replicas = 0 if stage == "finished" or spec.suspend else spec.inference.replicas
+    config = run_config(run.name, run.namespace, spec)
     children += [
-        build_config_map(run, spec),
+        build_config_map(run, config),
         _service(run, engine_headless_name(run), "engine", ENGINE_PORT, "http", headless=True),
         _service(run, engine_name(run), "engine", ENGINE_PORT, "http", headless=False),
         build_engine_statefulset(run, spec, replicas=replicas),
     ]
-    if not finished:
-        children.append(build_orchestrator_job(run, spec))
+    if stage == "active":
+        jobs = [build_orchestrator_job(run, spec)]
         if spec.trainer.nodes > 1:
             children.append(
                 _service(run, trainer_name(run), "trainer", TORCHRUN_PORT, "rendezvous", headless=True)
             )
-        children.append(build_trainer_job(run, spec))
+        jobs.append(build_trainer_job(run, spec))
+        for job in jobs:
+            job["metadata"]["annotations"][TEMPLATE_HASH] = template_hash(job["spec"], config)
+        children += jobs
     if pod_monitor.enabled and spec.monitoring.pod_monitor:
         children.append(build_pod_monitor(run, pod_monitor))
     return children

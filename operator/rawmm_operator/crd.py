@@ -13,7 +13,15 @@ from typing import Any
 
 import yaml
 
-from rawmm_operator.spec import API_GROUP, API_VERSION, KIND, MAX_RUN_NAME, PLURAL, RLRunSpec
+from rawmm_operator.spec import (
+    API_GROUP,
+    API_VERSION,
+    KIND,
+    MAX_RUN_NAME,
+    PLURAL,
+    RUN_NAME_PATTERN,
+    RLRunSpec,
+)
 from rawmm_operator.status import RLRunStatus
 
 SHORT_NAME = "rlr"
@@ -121,16 +129,17 @@ def crd_manifest() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            # The server allows restricting metadata.name: a DNS-1035 label short enough for the children's
+            # names (`<run>-engine-headless`), so a name the operator cannot use never gets stored.
+            "metadata": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": MAX_RUN_NAME, "pattern": RUN_NAME_PATTERN}
+                },
+            },
             "spec": spec_schema(),
             "status": status_schema(),
         },
-        "x-kubernetes-validations": [
-            {
-                "rule": f"self.metadata.name.size() <= {MAX_RUN_NAME}",
-                "message": f"the RLRun name must be at most {MAX_RUN_NAME} characters (its children's names extend it)",
-            },
-        ],
     }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",

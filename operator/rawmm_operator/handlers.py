@@ -51,6 +51,9 @@ def operator_settings() -> kopf.OperatorSettings:
     )
     settings.posting.reporting_component = "rawmm-operator"
     settings.peering.standalone = True
+    # Filter child watches on the server: only objects labelled with a run, never every Job in the cluster.
+    for group, version, plural in WATCHED_CHILDREN:
+        settings.watching.label_selectors[group, version, plural] = RUN_LABEL
     return settings
 
 
@@ -113,7 +116,13 @@ def build_registry(
                         backoff = timing.error_backoffs[min(failures, len(timing.error_backoffs)) - 1]
                         await _sleep_until(None, stopped, backoff)
                         continue
-                    failures = 0
+                    if outcome is not None and outcome.applying.rejected:
+                        # A refused child (quota, webhook, immutable field): retry with backoff, the
+                        # condition says why. The run itself is not failed.
+                        failures += 1
+                        RECONCILES.labels(result="rejected").inc()
+                    else:
+                        failures = 0
                     if outcome is not None:
                         for transition in outcome.transitions:
                             kopf.event(
@@ -126,8 +135,12 @@ def build_registry(
                         blocked_generation = (
                             outcome.body["metadata"].get("generation") if outcome.invalid else None
                         )
-                        RECONCILES.labels(result="invalid" if outcome.invalid else "success").inc()
-                await _sleep_until(woken, stopped, timing.resync_seconds)
+                        if not outcome.applying.rejected:
+                            RECONCILES.labels(result="invalid" if outcome.invalid else "success").inc()
+                wait = timing.resync_seconds
+                if failures:
+                    wait = timing.error_backoffs[min(failures, len(timing.error_backoffs)) - 1]
+                await _sleep_until(woken, stopped, wait)
         finally:
             wakeups.pop(key, None)
             phases.forget(key)

@@ -1,9 +1,9 @@
 """A small JSON client for the few kinds the operator touches, over the official client's transport
-(it brings kubeconfig / in-cluster auth), plus the create-or-patch that converges one child.
+(it brings kubeconfig / in-cluster auth), plus the apply that converges one child.
 
-Patches are JSON merge patches computed three-way (previous desired -> new desired, the previous one
-kept in an annotation, as `kubectl apply` does), so fields the operator stopped setting are removed
-and fields set by others (controllers' defaults) are left alone.
+Children are written with server-side apply under the field manager `rawmm-operator`, forced: the
+server reverts drift on every field the operator sets, removes fields it stopped setting, and leaves
+fields owned by others (controllers' defaults, Kueue's `suspend`) alone.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kubernetes import client as k8s
 
 from rawmm_operator.spec import API_GROUP
 
-LAST_APPLIED = f"{API_GROUP}/last-applied"
+FIELD_MANAGER = "rawmm-operator"
 
 
 @dataclass(frozen=True)
@@ -40,17 +40,12 @@ KINDS: dict[str, Kind] = {
     "ConfigMap": Kind("v1", "configmaps"),
     "Service": Kind("v1", "services"),
     "Pod": Kind("v1", "pods"),
+    "Secret": Kind("v1", "secrets"),
+    "Event": Kind("v1", "events"),
     "StatefulSet": Kind("apps/v1", "statefulsets"),
     "Job": Kind("batch/v1", "jobs"),
     "PodMonitor": Kind("monitoring.coreos.com/v1", "podmonitors"),
     "RLRun": Kind(f"{API_GROUP}/v1alpha1", "rlruns"),
-}
-
-# What may change on an existing child. Jobs are immutable apart from `suspend`; a claim's class and
-# modes are fixed (its size may grow). Everything else converges whole.
-MUTABLE_SPEC_FIELDS: dict[str, frozenset[str] | None] = {
-    "Job": frozenset({"suspend"}),
-    "PersistentVolumeClaim": frozenset({"resources"}),
 }
 
 
@@ -105,9 +100,13 @@ class KubeApi:
                 return None
             raise
 
-    def list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
-        selector = ",".join(f"{k}={v}" for k, v in labels.items())
-        items = self._request("GET", KINDS[kind].path(namespace), query={"labelSelector": selector})["items"]
+    def list(
+        self, kind: str, namespace: str, labels: dict[str, str], *, fields: dict[str, str] | None = None
+    ) -> list[dict[str, Any]]:
+        query = {"labelSelector": ",".join(f"{k}={v}" for k, v in labels.items())}
+        if fields:
+            query["fieldSelector"] = ",".join(f"{k}={v}" for k, v in fields.items())
+        items = self._request("GET", KINDS[kind].path(namespace), query=query)["items"]
         # Match here too: not every server (or emulator) honours the selector.
         return [
             i
@@ -124,6 +123,30 @@ class KubeApi:
     ) -> dict[str, Any]:
         path = KINDS[kind].path(namespace, name, subresource)
         return self._request("PATCH", path, body=patch, content_type="application/merge-patch+json")
+
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply of `manifest` (creates it when absent), taking over conflicting fields."""
+        meta = manifest["metadata"]
+        return self._request(
+            "PATCH",
+            KINDS[manifest["kind"]].path(meta["namespace"], meta["name"]),
+            # JSON is YAML; a string body goes out as it is.
+            body=json.dumps(manifest, sort_keys=True),
+            content_type="application/apply-patch+yaml",
+            query={"fieldManager": FIELD_MANAGER, "force": "true"},
+        )
+
+    def delete(self, kind: str, namespace: str, name: str, *, uid: str | None = None) -> None:
+        """Delete in the foreground (the object stays, marked, until its dependents are gone); `uid`
+        makes sure it is the object that was read. Absent already counts as done."""
+        body: dict[str, Any] = {"propagationPolicy": "Foreground"}
+        if uid is not None:
+            body["preconditions"] = {"uid": uid}
+        try:
+            self._request("DELETE", KINDS[kind].path(namespace, name), body=body)
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
 
 
 def _error_message(data: bytes | None) -> str:
@@ -150,32 +173,6 @@ def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return patch
 
 
-def _restrict_spec(kind: str, patch: dict[str, Any]) -> dict[str, Any]:
-    allowed = MUTABLE_SPEC_FIELDS.get(kind)
-    if allowed is None or "spec" not in patch:
-        return patch
-    spec = {k: v for k, v in patch["spec"].items() if k in allowed}
-    rest = {k: v for k, v in patch.items() if k != "spec"}
-    return {**rest, "spec": spec} if spec else rest
-
-
-def _last_applied(live: dict[str, Any]) -> dict[str, Any]:
-    text = live.get("metadata", {}).get("annotations", {}).get(LAST_APPLIED)
-    try:
-        return json.loads(text) if text else {}
-    except ValueError:
-        return {}
-
-
-def _with_last_applied(manifest: dict[str, Any]) -> dict[str, Any]:
-    meta = manifest["metadata"]
-    annotations = {
-        **meta.get("annotations", {}),
-        LAST_APPLIED: json.dumps(manifest, sort_keys=True, separators=(",", ":")),
-    }
-    return {**manifest, "metadata": {**meta, "annotations": annotations}}
-
-
 @dataclass(frozen=True)
 class Applied:
     object: dict[str, Any]
@@ -183,15 +180,11 @@ class Applied:
 
 
 def apply(api: KubeApi, manifest: dict[str, Any], live: dict[str, Any] | None) -> Applied:
-    """Converge one child to `manifest`, given its live state (None = absent)."""
-    desired = _with_last_applied(manifest)
+    """Converge one child to `manifest`, given its live state (None = absent). A no-op apply leaves the
+    resourceVersion as it was: that is how "unchanged" is told from "patched"."""
+    applied = api.apply(manifest)
     if live is None:
-        return Applied(api.create(desired), "created")
-    previous = _last_applied(live)
-    # An object without our annotation (made by hand, or adopted) gets every desired field merged in.
-    old = _with_last_applied(previous) if previous else {}
-    patch = _restrict_spec(manifest["kind"], merge_patch(old, desired))
-    if not patch:
-        return Applied(live, "unchanged")
-    meta = manifest["metadata"]
-    return Applied(api.patch(manifest["kind"], meta["namespace"], meta["name"], patch), "patched")
+        return Applied(applied, "created")
+    before = live.get("metadata", {}).get("resourceVersion")
+    changed = applied.get("metadata", {}).get("resourceVersion") != before
+    return Applied(applied, "patched" if changed else "unchanged")

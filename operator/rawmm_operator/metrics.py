@@ -6,12 +6,12 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from rawmm_operator.status import Phase
 
-RESULTS = ("success", "invalid", "error")
+RESULTS = ("success", "invalid", "rejected", "error")
 PHASES: tuple[Phase, ...] = ("Pending", "Provisioning", "Running", "Succeeded", "Failed", "Suspended")
 
 RECONCILES = Counter(
     "rawmm_operator_reconciles",
-    "RLRun reconciliation passes by result (success, invalid spec, error)",
+    "RLRun reconciliation passes by result (success, invalid spec, child rejected by the server, error)",
     ["result"],
 )
 RECONCILE_SECONDS = Histogram(

@@ -1,12 +1,18 @@
 """One reconciliation pass of one RLRun: read it, converge its children, derive and write its status.
 
 Synchronous and free of kopf, so it can be driven by the operator's per-run loop and by tests alike.
+
+Children are server-side applied every pass (drift on the operator's fields is reverted) and those no
+longer built are deleted (pruned). A child the server refuses (quota, LimitRange, webhook, an
+immutable field) becomes the `Reconciled` condition and a retry, never a failed run. A Job whose
+template hash changed is deleted in the foreground and created anew once its pods are gone.
 """
 
 from __future__ import annotations
 
 import datetime
 import math
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,12 +20,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from rawmm_operator import builders
-from rawmm_operator.builders import RunRef
+from rawmm_operator.builders import RUN_LABEL, RUN_SUSPEND, TEMPLATE_HASH, RunRef
 from rawmm_operator.kube import ApiError, KubeApi, apply, merge_patch
 from rawmm_operator.progress import ProgressReader
 from rawmm_operator.spec import KIND, InvalidSpec, RLRunSpec, parse_spec
 from rawmm_operator.status import (
     TERMINAL_PHASES,
+    Applying,
     Observed,
     Progress,
     RLRunStatus,
@@ -30,6 +37,9 @@ from rawmm_operator.status import (
 )
 
 DEFAULT_POD_MONITOR = builders.PodMonitorSettings()
+# Kinds the operator deletes when it no longer builds them (never the volume: it holds the run's data).
+PRUNED_KINDS = ("ConfigMap", "Service", "StatefulSet", "Job", "PodMonitor")
+TIMESTAMP_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
 
 @dataclass
@@ -37,12 +47,20 @@ class Outcome:
     body: dict[str, Any]
     status: RLRunStatus
     transitions: list[Transition]
-    actions: dict[str, str] = field(default_factory=dict)  # "Kind/name" -> created | patched | unchanged
+    actions: dict[str, str] = field(
+        default_factory=dict
+    )  # "Kind/name" -> created | patched | unchanged | deleted
     invalid: str | None = None
+    applying: Applying = field(default_factory=Applying)
 
 
 def utc_now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime(TIMESTAMP_FORMAT)
+
+
+def seconds_between(earlier: str, later: str) -> float:
+    parse = datetime.datetime.strptime
+    return (parse(later, TIMESTAMP_FORMAT) - parse(earlier, TIMESTAMP_FORMAT)).total_seconds()
 
 
 def _read_status(body: dict[str, Any]) -> RLRunStatus:
@@ -50,6 +68,52 @@ def _read_status(body: dict[str, Any]) -> RLRunStatus:
         return RLRunStatus.model_validate(body.get("status") or {})
     except ValidationError:
         return RLRunStatus()  # unreadable (another version's?): derive afresh
+
+
+def _job_finished(job: dict[str, Any]) -> bool:
+    return any(
+        c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
+        for c in (job.get("status") or {}).get("conditions") or []
+    )
+
+
+def _owned_by(child: dict[str, Any], run: RunRef) -> bool:
+    return any(ref.get("uid") == run.uid for ref in child.get("metadata", {}).get("ownerReferences") or [])
+
+
+def newest_event(events: list[dict[str, Any]]) -> str | None:
+    """ "reason: message" of the newest event, or None."""
+
+    def when(event: dict[str, Any]) -> str:
+        return (
+            event.get("lastTimestamp")
+            or event.get("eventTime")
+            or event.get("metadata", {}).get("creationTimestamp")
+            or ""
+        )
+
+    if not events:
+        return None
+    event = max(events, key=when)
+    return f"{event.get('reason', '')}: {event.get('message', '')}".strip(": ")
+
+
+def stage_of(spec: RLRunSpec, status: RLRunStatus, now: str) -> builders.Stage:
+    if status.phase not in TERMINAL_PHASES:
+        return "active"
+    ttl = spec.ttl_seconds_after_finished
+    if ttl is not None and status.completion_time and seconds_between(status.completion_time, now) >= ttl:
+        return "expired"
+    return "finished"
+
+
+def job_suspend(spec: RLRunSpec, manifest: dict[str, Any], live: dict[str, Any]) -> bool:
+    """The `suspend` to apply to an existing Job: the RLRun's when the RLRun's changed since it was last
+    carried over, else whatever the Job has (a queue may have set it)."""
+    carried = live.get("metadata", {}).get("annotations", {}).get(RUN_SUSPEND)
+    if carried != manifest["metadata"]["annotations"][RUN_SUSPEND]:
+        return spec.suspend
+    return bool((live.get("spec") or {}).get("suspend"))
 
 
 class Reconciler:
@@ -66,11 +130,13 @@ class Reconciler:
         # Scrape a run's pods at most this often: the hit rate is taken between two scrapes.
         self.progress_interval = progress_interval
         self._last_progress: dict[tuple[str, str], float] = {}
+        self._secrets: set[tuple[str, str, str]] = set()  # (namespace, run, uid) whose Secret exists
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop what is remembered about a run that is gone (or no longer ours)."""
         self._last_progress.pop((namespace, name), None)
         self.progress.forget(namespace, name)
+        self._secrets = {key for key in self._secrets if key[:2] != (namespace, name)}
 
     def _read_progress(self, run: RunRef, previous: RLRunStatus) -> Progress | None:
         key = (run.namespace, run.name)
@@ -83,7 +149,8 @@ class Reconciler:
         )
 
     def reconcile(self, namespace: str, name: str) -> Outcome | None:
-        """Converge the run; None when it is gone or being deleted. Raises `ApiError` on API failures."""
+        """Converge the run; None when it is gone or being deleted. Raises `ApiError` on API failures
+        worth a retry (unreachable server, conflicts, 5xx)."""
         body = self.api.get(KIND, namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return None
@@ -93,12 +160,41 @@ class Reconciler:
         now = utc_now()
         try:
             spec = parse_spec(name, body.get("spec"))
-            run = RunRef(name=name, namespace=namespace, uid=meta["uid"])
+            queue = (meta.get("labels") or {}).get(builders.QUEUE_LABEL)
+            run = RunRef(name=name, namespace=namespace, uid=meta["uid"], queue_name=queue)
             return self._converge(body, run, spec, generation, previous, now)
         except InvalidSpec as exc:
             status = invalid_spec_status(generation=generation, message=str(exc), previous=previous, now=now)
             self._write_status(body, status)
             return Outcome(body, status, transitions(previous, status), invalid=str(exc))
+
+    def _claim_event(self, run: RunRef, claim: str, live: dict[str, Any] | None) -> str | None:
+        if live is None or (live.get("status") or {}).get("phase") == "Bound":
+            return None
+        involved = {"involvedObject.kind": "PersistentVolumeClaim", "involvedObject.name": claim}
+        events = self.api.list("Event", run.namespace, {}, fields=involved)
+        # Matched here too, like labels in `KubeApi.list`.
+        about = [
+            e
+            for e in events
+            if {k.split(".")[1]: v for k, v in involved.items()}.items()
+            <= (e.get("involvedObject") or {}).items()
+        ]
+        return newest_event(about)
+
+    def _ensure_secret(self, run: RunRef, outcome: Outcome) -> None:
+        """Create the run's weights token once; it is never rewritten (pods read it at start) nor read
+        (the operator has no right to read Secrets)."""
+        key = (run.namespace, run.name, run.uid)
+        if key in self._secrets:
+            return
+        try:
+            self.api.create(builders.build_weights_secret(run, secrets.token_urlsafe(32)))
+            outcome.actions[f"Secret/{builders.weights_secret_name(run)}"] = "created"
+        except ApiError as exc:
+            if exc.status != 409:  # 409: it exists already
+                raise
+        self._secrets.add(key)
 
     def _converge(
         self,
@@ -119,43 +215,133 @@ class Reconciler:
         live: dict[tuple[str, str], dict[str, Any] | None] = {
             (kind, child): self.api.get(kind, run.namespace, child) for kind, child in roles.values()
         }
+        claim_event = self._claim_event(run, claim, live[roles["claim"]])
+        deadline = spec.active_deadline_seconds
+        exceeded = bool(
+            deadline and previous.start_time and seconds_between(previous.start_time, now) >= deadline
+        )
 
         def observed() -> Observed:
-            return Observed(claim_name=claim, **{role: live[key] for role, key in roles.items()})
+            return Observed(
+                claim_name=claim, claim_event=claim_event, **{role: live[key] for role, key in roles.items()}
+            )
 
         before = derive_status(
-            suspend=spec.suspend, generation=generation, observed=observed(), previous=previous, now=now
+            suspend=spec.suspend,
+            generation=generation,
+            observed=observed(),
+            previous=previous,
+            now=now,
+            deadline_exceeded=exceeded,
         )
-        finished = before.phase in TERMINAL_PHASES
+        stage = stage_of(spec, before, now)
         outcome = Outcome(body, before, [])
-        for manifest in builders.build_children(run, spec, finished=finished, pod_monitor=self.pod_monitor):
+        rejected: dict[str, str] = {}
+        recreating: list[str] = []
+        unavailable: list[str] = []
+        if stage != "expired":
+            self._ensure_secret(run, outcome)
+        built = builders.build_children(run, spec, stage=stage, pod_monitor=self.pod_monitor)
+        for manifest in built:
             key = (manifest["kind"], manifest["metadata"]["name"])
+            child = f"{key[0]}/{key[1]}"
             if key not in live:
                 live[key] = self.api.get(key[0], run.namespace, key[1])
+            current = live[key]
+            if key[0] == "Job" and current is not None:
+                replacing = self._replacing(run, manifest, current)
+                if replacing:
+                    recreating.append(child)
+                    if replacing == "deleted":
+                        outcome.actions[child] = "deleted"
+                    continue
+                manifest["spec"]["suspend"] = job_suspend(spec, manifest, current)
+                # A precondition: if a queue changed the Job since it was read, the server says 409 (retried).
+                manifest["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
             try:
-                applied = apply(self.api, manifest, live[key])
+                applied = apply(self.api, manifest, current)
             except ApiError as exc:
                 if manifest["kind"] == "PodMonitor" and exc.status == 404:
-                    outcome.actions[f"{key[0]}/{key[1]}"] = "skipped: the PodMonitor CRD is not installed"
+                    unavailable.append(child)
                     continue
                 if exc.transient:
                     raise
-                raise InvalidSpec(f"the API server rejected {key[0]} {key[1]}: {exc}") from exc
+                rejected[child] = str(exc)
+                continue
             live[key] = applied.object
-            outcome.actions[f"{key[0]}/{key[1]}"] = applied.action
+            outcome.actions[child] = applied.action
+        if stage == "finished":
+            self._release_jobs(run, [live[roles["orchestrator"]], live[roles["trainer"]]], outcome)
+        self._prune(run, stage, {(m["kind"], m["metadata"]["name"]) for m in built}, outcome)
+        if stage == "expired":
+            live.update({key: None for key in live if key[0] != "PersistentVolumeClaim"})
 
+        outcome.applying = Applying(
+            rejected=rejected, recreating=tuple(recreating), unavailable=tuple(unavailable)
+        )
         status = derive_status(
             suspend=spec.suspend,
             generation=generation,
             observed=observed(),
             previous=previous,
             now=now,
-            progress=self._read_progress(run, previous),
+            progress=self._read_progress(run, previous) if stage == "active" else None,
+            applying=outcome.applying,
+            deadline_exceeded=exceeded,
         )
         self._write_status(body, status)
         outcome.status = status
         outcome.transitions = [*_child_transitions(outcome.actions), *transitions(previous, status)]
         return outcome
+
+    def _replacing(self, run: RunRef, manifest: dict[str, Any], live: dict[str, Any]) -> str | None:
+        """None for a Job that stays; "deleting" for one on its way out, "deleted" for one deleted now
+        because what it runs changed (a Job's template is immutable). Foreground deletion keeps the Job
+        until its pods are gone, so the new Job never runs beside the old one."""
+        meta = live["metadata"]
+        if meta.get("deletionTimestamp"):
+            return "deleting"
+        wanted = manifest["metadata"]["annotations"][TEMPLATE_HASH]
+        if (meta.get("annotations") or {}).get(TEMPLATE_HASH) == wanted:
+            return None
+        self.api.delete("Job", run.namespace, meta["name"], uid=meta.get("uid"))
+        return "deleted"
+
+    def _release_jobs(self, run: RunRef, jobs: list[dict[str, Any] | None], outcome: Outcome) -> None:
+        """A finished run's surviving Job (the trainer failed, the orchestrator still waits) is suspended:
+        its pods go, it stays for its logs and counts."""
+        for job in jobs:
+            if job is None or _job_finished(job) or (job.get("spec") or {}).get("suspend"):
+                continue
+            name = job["metadata"]["name"]
+            self.api.patch("Job", run.namespace, name, {"spec": {"suspend": True}})
+            outcome.actions[f"Job/{name}"] = "suspended"
+
+    def _prune(
+        self, run: RunRef, stage: builders.Stage, built: set[tuple[str, str]], outcome: Outcome
+    ) -> None:
+        """Delete the run's children of the pruned kinds that are no longer built. A finished run keeps its
+        Jobs (their logs); the weights Secret goes (by name: the operator may not list Secrets) only with an
+        expired run."""
+        if stage == "expired":
+            name = builders.weights_secret_name(run)
+            self.api.delete("Secret", run.namespace, name)
+            self._secrets.discard((run.namespace, run.name, run.uid))
+        for kind in PRUNED_KINDS:
+            if kind == "Job" and stage == "finished":
+                continue
+            try:
+                children = self.api.list(kind, run.namespace, {RUN_LABEL: run.name})
+            except ApiError as exc:
+                if exc.status == 404:  # the kind is not served (no PodMonitor CRD)
+                    continue
+                raise
+            for child in children:
+                name = child["metadata"]["name"]
+                if (kind, name) in built or not _owned_by(child, run):
+                    continue
+                self.api.delete(kind, run.namespace, name, uid=child["metadata"].get("uid"))
+                outcome.actions[f"{kind}/{name}"] = "deleted"
 
     def _write_status(self, body: dict[str, Any], status: RLRunStatus) -> None:
         patch = merge_patch(body.get("status") or {}, status.dump())
@@ -165,15 +351,15 @@ class Reconciler:
 
 
 def _child_transitions(actions: dict[str, str]) -> list[Transition]:
-    """One event per pass for the children created, one for those changed, one per skipped child."""
+    """One event per pass for each kind of change made (none for a pass that changed nothing)."""
     events = []
-    for action, reason in (("created", "ChildrenCreated"), ("patched", "ChildrenUpdated")):
+    for action, reason in (
+        ("created", "ChildrenCreated"),
+        ("patched", "ChildrenUpdated"),
+        ("deleted", "ChildrenDeleted"),
+        ("suspended", "JobsSuspended"),
+    ):
         children = [child for child, done in actions.items() if done == action]
         if children:
             events.append(Transition("Normal", reason, f"{action}: {', '.join(children)}"))
-    events += [
-        Transition("Warning", "ChildSkipped", f"{child} {done}")
-        for child, done in actions.items()
-        if done.startswith("skipped")
-    ]
     return events

@@ -49,12 +49,13 @@ ENGINE_PORT = 8000
 # Children get names like `<run>-engine-headless` (a DNS-1035 label, 63 characters at most) and pods
 # `<run>-trainer-<index>-<suffix>`; the run name leaves room for those.
 MAX_RUN_NAME = 40
-_RUN_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+RUN_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+_RUN_NAME = re.compile(RUN_NAME_PATTERN)
 
 
 def run_name_problem(name: str) -> str | None:
-    """Why `name` cannot name an RLRun's children, or None. (The CRD checks the length; this also
-    catches dots and leading digits, which RLRun names may have but Service names may not.)"""
+    """Why `name` cannot name an RLRun's children, or None. (The CRD's schema checks the same; this
+    catches an RLRun stored under an older CRD.)"""
     if len(name) > MAX_RUN_NAME:
         return f"the RLRun name must be at most {MAX_RUN_NAME} characters (its children's names extend it)"
     if not _RUN_NAME.match(name):
@@ -65,13 +66,22 @@ def run_name_problem(name: str) -> str | None:
 
 
 def default_image(component: Literal["operator", "inference", "trainer"]) -> str:
+    """The image of this operator's own release, for a role whose `image` is empty. Resolved at
+    reconcile time, never stored as a CRD default, so upgrading the operator moves such runs along."""
     return f"ghcr.io/rawmm/rawmm-{component}:{rawmm.__version__}"
+
+
+def _image() -> Any:
+    return Field(
+        default="", description="empty: the image of the operator's release, resolved at reconcile time"
+    )
 
 
 @dataclass(frozen=True)
 class Rule:
     """A cross-field rule: `cel` for the API server (None where CEL cannot say it cheaply), `holds` for
-    the operator, one message for both."""
+    the operator, one message for both. A rule must hold on the object as the server stores it: a field
+    without a schema default may be absent, so `cel` guards it with has()."""
 
     cel: str | None
     message: str
@@ -88,8 +98,10 @@ def _is_byte_size(value: int | str) -> bool:
 
 def _schema_extra(schema: dict[str, Any], cls: type[BaseModel]) -> None:
     rules: tuple[Rule, ...] = getattr(cls, "rules", ())
-    if rules:
-        schema["x-kubernetes-validations"] = [{"rule": r.cel, "message": r.message} for r in rules if r.cel]
+    transitions: tuple[dict[str, str], ...] = getattr(cls, "transition_rules", ())
+    validations = [{"rule": r.cel, "message": r.message} for r in rules if r.cel] + list(transitions)
+    if validations:
+        schema["x-kubernetes-validations"] = validations
 
 
 CAMEL = ConfigDict(alias_generator=to_camel, json_schema_extra=_schema_extra)
@@ -110,6 +122,7 @@ def _immutable_optional(field: str) -> dict[str, str]:
 class SpecModel(StrictModel):
     model_config = CAMEL
     rules: ClassVar[tuple[Rule, ...]] = ()
+    transition_rules: ClassVar[tuple[dict[str, str], ...]] = ()  # CEL on updates only (oldSelf)
 
     @model_validator(mode="after")
     def _rules_hold(self) -> SpecModel:
@@ -135,10 +148,61 @@ def default_resources(description: str = "", **requests: str) -> Any:
     )
 
 
-class Scheduling(SpecModel):
+# What the operator mounts in every pod: user volumes and mounts may not reuse these.
+RESERVED_VOLUMES = frozenset({"shared", "tmp", "dshm", "config"})
+RESERVED_MOUNT_PATHS = frozenset({str(SHARED_MOUNT), "/tmp", "/dev/shm", str(RUN_CONFIG_DIR)})
+# A Kubernetes extended resource name (`nvidia.com/gpu`, `amd.com/gpu`, `nvidia.com/mig-1g.10gb`).
+RESOURCE_NAME_PATTERN = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+Objects = list[dict[str, Any]]
+
+
+def _free_names(items: Objects, key: str, reserved: frozenset[str]) -> bool:
+    return not any(item.get(key) in reserved for item in items)
+
+
+class PodSettings(SpecModel):
+    """Per-role pod template settings (KubeRay / Kubeflow Trainer style), merged into what the operator
+    builds: env, labels and annotations are added (the operator's own labels win), lists are appended,
+    the rest set the pod spec field of the same name."""
+
+    rules = (
+        Rule(
+            cel=None,
+            message=f"volumes may not be named {', '.join(sorted(RESERVED_VOLUMES))} (the operator's own)",
+            holds=lambda s: _free_names(s.volumes, "name", RESERVED_VOLUMES),
+        ),
+        Rule(
+            cel=None,
+            message=f"volumeMounts may not mount at {', '.join(sorted(RESERVED_MOUNT_PATHS))} (the operator's own)",
+            holds=lambda s: _free_names(s.volume_mounts, "mountPath", RESERVED_MOUNT_PATHS),
+        ),
+    )
+
+    env: Objects = Field(
+        default_factory=list, description="EnvVar list; replaces an operator variable of the same name"
+    )
+    env_from: Objects = Field(
+        default_factory=list, description="EnvFromSource list, e.g. [{secretRef: {name: hf-token}}]"
+    )
+    labels: dict[str, str] = Field(default_factory=dict, description="pod labels (the operator's own win)")
+    annotations: dict[str, str] = Field(default_factory=dict, description="pod annotations")
     node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    tolerations: Objects = Field(default_factory=list)
     affinity: dict[str, Any] = Field(default_factory=dict)
+    topology_spread_constraints: Objects = Field(default_factory=list)
+    priority_class_name: str | None = None
+    scheduler_name: str | None = None
+    runtime_class_name: str | None = None
+    service_account_name: str | None = None
+    image_pull_secrets: Objects = Field(default_factory=list, description="e.g. [{name: regcred}]")
+    volumes: Objects = Field(default_factory=list, description="extra pod volumes")
+    volume_mounts: Objects = Field(default_factory=list, description="extra mounts of the role's container")
+    shm_size: str = Field(
+        default="1Gi",
+        pattern=BYTE_SIZE_PATTERN,
+        max_length=32,
+        description="sizeLimit of /dev/shm (a memory emptyDir: it counts against the memory limit)",
+    )
 
 
 class ModelSpec(ModelSettings):
@@ -148,34 +212,56 @@ class ModelSpec(ModelSettings):
     )
 
 
+# A claim or storage class name: a DNS-1123 subdomain (the schema bounds it, so no CEL is needed).
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+
+
 class OffloadSpec(SpecModel):
     """The run's shared volume: offloaded images, rollout batches and checkpoints."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                _immutable_optional(field) for field in ("existingClaim", "storageClassName", "accessMode")
-            ]
-        }
+    transition_rules = (
+        *(_immutable_optional(field) for field in ("existingClaim", "storageClassName", "accessMode")),
+        {
+            # A claim can grow (where its class allows expansion) but never shrink: the server answers 422.
+            "rule": "quantity(self.size).compareTo(quantity(oldSelf.size)) >= 0",
+            "message": "offload.size cannot shrink",
+        },
     )
 
-    size: str = Field(default="100Gi", json_schema_extra={"pattern": BYTE_SIZE_PATTERN})
-    storage_class_name: str | None = None
-    access_mode: Literal["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod"] = "ReadWriteMany"
-    existing_claim: str | None = Field(default=None, description="use this PVC instead of creating one")
+    size: str = Field(
+        default="100Gi",
+        pattern=BYTE_SIZE_PATTERN,
+        max_length=32,
+        description="may grow where the storage class allows volume expansion; never shrink",
+    )
+    storage_class_name: str | None = Field(default=None, pattern=DNS_SUBDOMAIN, max_length=253)
+    # ReadWriteOncePod cannot work: engine, orchestrator and trainer pods all mount the claim.
+    access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = Field(
+        default="ReadWriteMany",
+        description="ReadWriteOnce puts every pod of the run on one node (required pod affinity); "
+        "set it to the existing claim's mode when existingClaim is used",
+    )
+    existing_claim: str | None = Field(
+        default=None,
+        description="use this PVC instead of creating one",
+        pattern=DNS_SUBDOMAIN,
+        max_length=253,
+    )
     retain_on_delete: bool = Field(default=True, description="keep the created PVC when the RLRun is deleted")
 
 
-class InferenceSpec(Scheduling, InferenceSettings):
+class InferenceSpec(PodSettings, InferenceSettings):
     model_config = CAMEL
     rules = (
+        *PodSettings.rules,
         Rule(
             cel="self.engine != 'vllm' || self.gpus >= 1",
             message="the vllm engine needs gpus >= 1 (use engine: transformers for CPU-only engines)",
             holds=lambda s: s.engine != "vllm" or s.gpus >= 1,
         ),
         Rule(
-            cel="self.engine == 'vllm' || (self.tensorParallelSize == 1 && size(self.extraArgs) == 0)",
+            # extraArgs has no schema default: absent on the stored object unless the user wrote it.
+            cel="self.engine == 'vllm' || (self.tensorParallelSize == 1 && (!has(self.extraArgs) || size(self.extraArgs) == 0))",
             message="tensorParallelSize > 1 and extraArgs are vLLM arguments: they need engine: vllm",
             holds=lambda s: s.engine == "vllm" or (s.tensor_parallel_size == 1 and not s.extra_args),
         ),
@@ -197,13 +283,24 @@ class InferenceSpec(Scheduling, InferenceSettings):
     )
 
     engine: Literal["transformers", "vllm"] = "vllm"
-    image: str = default_image("inference")
-    gpus: int = Field(default=1, ge=0, description="GPUs per engine replica")
+    image: str = _image()
+    gpus: int = Field(default=1, ge=0, description="accelerators per engine replica")
+    accelerator_resource: str = Field(
+        default="nvidia.com/gpu",
+        pattern=RESOURCE_NAME_PATTERN,
+        max_length=253,
+        description="the extended resource `gpus` counts: nvidia.com/gpu, amd.com/gpu, a MIG profile",
+    )
     tensor_parallel_size: int = Field(default=1, ge=1)
     resources: Resources = default_resources(
-        "per replica; the operator adds materializeCacheSize to the memory request and limit",
+        "per replica; the operator adds materializeCacheSize to the memory request (and to the limit, if set)",
         cpu="4",
         memory="16Gi",
+    )
+    startup_timeout_seconds: int = Field(
+        default=1800,
+        ge=60,
+        description="how long an engine may take to load its model before it is restarted",
     )
     extra_args: list[str] = Field(
         default_factory=list, description="extra vLLM server arguments (after `--` of `rawmm serve`)"
@@ -218,27 +315,39 @@ class SamplingSpec(SamplingConfig):
     model_config = CAMEL
 
 
-class OrchestratorSpec(Scheduling, OrchestratorConfig):
+class OrchestratorSpec(PodSettings, OrchestratorConfig):
     model_config = CAMEL
     environment: EnvironmentSpec = Field(default_factory=EnvironmentSpec)
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
-    image: str = default_image("trainer")
+    image: str = _image()
     resources: Resources = default_resources(cpu="2", memory="4Gi")
 
 
-class TrainerSpec(Scheduling, TrainerConfig):
+class TrainerSpec(PodSettings, TrainerConfig):
     model_config = CAMEL
     # TrainerConfig checks this too; the CEL copy lets the API server refuse such an RLRun at creation.
     rules = (
+        *PodSettings.rules,
         Rule(
             cel="self.seqLen <= self.microBatchTokens",
             message="seqLen must not exceed microBatchTokens: a truncated sample has to fit in one micro-batch",
             holds=lambda s: s.seq_len <= s.micro_batch_tokens,
         ),
     )
-    image: str = default_image("trainer")
+    image: str = _image()
     nodes: int = Field(default=1, ge=1)
     gpus_per_node: int = Field(default=1, ge=0)
+    accelerator_resource: str = Field(
+        default="nvidia.com/gpu",
+        pattern=RESOURCE_NAME_PATTERN,
+        max_length=253,
+        description="the extended resource `gpusPerNode` counts",
+    )
+    batch_timeout_seconds: int = Field(
+        default=7200,
+        ge=1,
+        description="the trainer fails when a step's rollout batch takes longer (`--batch-timeout`)",
+    )
     resources: Resources = default_resources("per node", cpu="8", memory="64Gi")
 
     @property
@@ -254,6 +363,15 @@ class MonitoringSpec(MonitoringConfig):
 
 
 class RLRunSpec(SpecModel):
+    rules = (
+        Rule(
+            # offload and trainer have schema defaults ({}), so both are present on the stored object.
+            cel="self.offload.accessMode != 'ReadWriteOnce' || self.trainer.nodes == 1",
+            message="offload.accessMode ReadWriteOnce keeps every pod on one node: it needs trainer.nodes 1",
+            holds=lambda s: s.offload.access_mode != "ReadWriteOnce" or s.trainer.nodes == 1,
+        ),
+    )
+
     model: ModelSpec = Field(json_schema_extra=immutable("model"))
     offload: OffloadSpec = Field(default_factory=OffloadSpec)
     inference: InferenceSpec = Field(default_factory=InferenceSpec)
@@ -261,6 +379,14 @@ class RLRunSpec(SpecModel):
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
     suspend: bool = Field(default=False, description="scale the engines to 0 and suspend the Jobs")
+    active_deadline_seconds: int | None = Field(
+        default=None, ge=1, description="fail the run (and release its pods) this long after it started"
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        default=None,
+        ge=0,
+        description="delete the children of a finished run this long after it finished (the RLRun and its volume stay)",
+    )
 
 
 def _fields_of(config_cls: type[BaseModel], section: BaseModel) -> dict[str, Any]:

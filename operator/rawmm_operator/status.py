@@ -4,7 +4,7 @@ from the observed children, plus the transitions worth an event.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -13,6 +13,8 @@ from pydantic.alias_generators import to_camel
 Phase = Literal["Pending", "Provisioning", "Running", "Succeeded", "Failed", "Suspended"]
 TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
 INVALID_SPEC = "InvalidSpec"
+# Condition reasons that are a warning event when they appear.
+WARNING_REASONS = frozenset({"Failed", "ChildRejected"})
 TIMESTAMP = {"format": "date-time"}
 
 
@@ -83,6 +85,17 @@ class Observed:
     engines: dict[str, Any] | None
     orchestrator: dict[str, Any] | None
     trainer: dict[str, Any] | None
+    claim_event: str | None = None  # the newest event of a claim that is not bound ("reason: message")
+
+
+@dataclass(frozen=True)
+class Applying:
+    """How the last pass went with the children: what the server refused (child -> its message), the
+    Jobs being replaced, and children left out because their API is not served."""
+
+    rejected: dict[str, str] = field(default_factory=dict)
+    recreating: tuple[str, ...] = ()
+    unavailable: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -131,6 +144,19 @@ class _Check(NamedTuple):
     message: str
 
 
+def _reconciled(applying: Applying) -> _Check:
+    if applying.rejected:
+        detail = "; ".join(f"{child}: {message}" for child, message in sorted(applying.rejected.items()))
+        return _Check("Reconciled", False, "ChildRejected", f"the API server rejected {detail} (retrying)")
+    if applying.recreating:
+        jobs = ", ".join(applying.recreating)
+        return _Check("Reconciled", False, "RecreatingJobs", f"replacing {jobs}: its spec changed")
+    if applying.unavailable:
+        missing = ", ".join(applying.unavailable)
+        return _Check("Reconciled", True, "ApiUnavailable", f"{missing} skipped: its API is not served")
+    return _Check("Reconciled", True, "Applied", "every child is as the spec says")
+
+
 def derive_status(
     *,
     suspend: bool,
@@ -139,10 +165,12 @@ def derive_status(
     previous: RLRunStatus,
     now: str,
     progress: Progress | None = None,
+    applying: Applying = Applying(),
+    deadline_exceeded: bool = False,
 ) -> RLRunStatus:
     """The whole status from the observed children (and, when given, what the pods reported; else
     the previous values). Terminal phases stick; transition times are kept for conditions whose
-    status did not change."""
+    status did not change. A rejected child is a condition, never a failed run."""
     progress = progress or Progress(previous.trainer_step, previous.cache_hit_rate)
     claim_phase = ((observed.claim or {}).get("status") or {}).get("phase")
     volume_ok = claim_phase == "Bound"
@@ -154,11 +182,13 @@ def derive_status(
             f"PersistentVolumeClaim {observed.claim_name} not found",
         )
     else:
+        # A claim that does not bind says why only in its events (no storage class, no provisioner...).
+        hint = f": {observed.claim_event}" if observed.claim_event and not volume_ok else ""
         volume = _Check(
             "OffloadVolumeReady",
             volume_ok,
             "Bound" if volume_ok else "ClaimPending",
-            f"PersistentVolumeClaim {observed.claim_name} is {claim_phase or 'Pending'}",
+            f"PersistentVolumeClaim {observed.claim_name} is {claim_phase or 'Pending'}{hint}",
         )
 
     engines_spec = (observed.engines or {}).get("spec") or {}
@@ -183,6 +213,11 @@ def derive_status(
 
     orchestrator, orchestrator_message = job_summary(observed.orchestrator)
     trainer, trainer_message = job_summary(observed.trainer)
+    if not suspend:
+        # Suspended by someone else: a queue (Kueue) admits the Job by unsuspending it; the operator waits.
+        external = "suspended by another controller: waiting for admission (e.g. a Kueue queue)"
+        orchestrator_message = external if orchestrator.state == "Suspended" else orchestrator_message
+        trainer_message = external if trainer.state == "Suspended" else trainer_message
     orchestrating = _Check(
         "OrchestratorRunning", orchestrator.state == "Running", orchestrator.state, orchestrator_message
     )
@@ -196,6 +231,10 @@ def derive_status(
     )
     if trainer.state == "Failed":
         failed = _Check("Failed", True, "TrainerFailed", trainer_message)
+    elif deadline_exceeded and not succeeded:
+        failed = _Check(
+            "Failed", True, "DeadlineExceeded", "the run did not finish within activeDeadlineSeconds"
+        )
     elif orchestrator.state == "Failed":
         failed = _Check("Failed", True, "OrchestratorFailed", orchestrator_message)
     else:
@@ -230,7 +269,7 @@ def derive_status(
         completion_time=previous.completion_time or (now if phase in TERMINAL_PHASES else None),
         conditions=[
             _merge_Check(previous, *c, generation=generation, now=now)
-            for c in (volume, inference, orchestrating, training, complete, failed)
+            for c in (volume, inference, orchestrating, training, complete, failed, _reconciled(applying))
         ],
     )
     if sticky:
@@ -295,9 +334,11 @@ def transitions(previous: RLRunStatus, current: RLRunStatus) -> list[Transition]
         before = previous.condition(condition.type)
         if before is not None and (before.status, before.reason) == (condition.status, condition.reason):
             continue
-        if before is None and condition.status == "False":
-            continue  # on the first pass only what is already true is news; the phase says the rest
-        bad = (condition.type == "Failed" and condition.status == "True") or condition.reason == "Failed"
+        bad = (
+            condition.type == "Failed" and condition.status == "True"
+        ) or condition.reason in WARNING_REASONS
+        if before is None and (condition.status == "False" or condition.type == "Reconciled") and not bad:
+            continue  # on the first pass only what is already true is news (and trouble); the phase says the rest
         events.append(
             Transition(
                 "Warning" if bad else "Normal",

@@ -36,9 +36,9 @@ def test_crd_in_manifests_and_in_install_yaml_is_the_pydantic_one() -> None:
     assert crd["spec"] == source["spec"]
 
 
-def test_install_yaml_is_the_default_rendering_in_apply_order() -> None:
+def test_install_yaml_is_the_default_rendering_for_a_bare_cluster_in_apply_order() -> None:
     docs = [d for d in yaml.safe_load_all(generate.INSTALL_MANIFEST.read_text()) if d]
-    rendered = [doc.body for doc in generate.render_chart()]
+    rendered = [doc.body for doc in generate.render_chart(api_versions=())]
     assert docs[0] == {
         "apiVersion": "v1",
         "kind": "Namespace",
@@ -49,13 +49,28 @@ def test_install_yaml_is_the_default_rendering_in_apply_order() -> None:
     assert kinds.index("CustomResourceDefinition") < kinds.index("Deployment")
     assert kinds.index("ServiceAccount") < kinds.index("Deployment")
     assert {d["metadata"].get("namespace") for d in docs[1:]} <= {generate.INSTALL_NAMESPACE, None}
+    # it applies where the prometheus-operator CRDs are not installed
+    assert not [d for d in docs if d["apiVersion"].startswith("monitoring.coreos.com/")]
+
+
+def test_monitoring_yaml_holds_the_monitoring_objects_of_the_default_rendering() -> None:
+    docs = [d for d in yaml.safe_load_all(generate.MONITORING_MANIFEST.read_text()) if d]
+    assert sorted(d["kind"] for d in docs) == ["PrometheusRule", "ServiceMonitor"]
+    with_operator = [doc.body for doc in generate.render_chart()]
+    assert sorted(map(repr, docs)) == sorted(
+        repr(d) for d in with_operator if d["apiVersion"] == "monitoring.coreos.com/v1"
+    )
+    # both files together are the rendering for a cluster with the prometheus-operator
+    install = [d for d in yaml.safe_load_all(generate.INSTALL_MANIFEST.read_text()) if d][1:]
+    assert sorted(map(repr, install + docs)) == sorted(map(repr, with_operator))
 
 
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
 def test_install_yaml_validates_strictly(kube_version: str) -> None:
-    for doc in yaml.safe_load_all(generate.INSTALL_MANIFEST.read_text()):
-        if doc:
-            validate_object(doc, kube_version)
+    for path in (generate.INSTALL_MANIFEST, generate.MONITORING_MANIFEST):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                validate_object(doc, kube_version)
 
 
 def test_check_mode_reports_a_stale_file_and_write_mode_fixes_it(
@@ -66,7 +81,7 @@ def test_check_mode_reports_a_stale_file_and_write_mode_fixes_it(
 ) -> None:
     # The generator writes into tmp_path here, never into the repository.
     wanted_install = expected[generate.INSTALL_MANIFEST]
-    for name in ("CRD_MANIFEST", "CRD_TEMPLATE", "INSTALL_MANIFEST"):
+    for name in ("CRD_MANIFEST", "CRD_TEMPLATE", "INSTALL_MANIFEST", "MONITORING_MANIFEST"):
         target = tmp_path / name
         target.write_text(expected[getattr(generate, name)])
         monkeypatch.setattr(generate, name, target)

@@ -103,6 +103,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             if request.action == kmock.action.CREATE and isinstance(request.data, dict):
                 self._on_create(request)
             elif request.action == kmock.action.UPDATE and request.name is not None:
+                self._on_apply_of_absent(request)
                 self._on_patch(request)
         try:
             return await super()._handle(request)
@@ -121,6 +122,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
         meta.setdefault("creationTimestamp", _now())
         meta["generation"] = 1
         request.data.setdefault("kind", self._kind(request.resource))
+
+    def _on_apply_of_absent(self, request: kmock.Request) -> None:
+        """Server-side apply creates an absent object (emulated as create + merge; no field ownership)."""
+        key = (request.resource, request.namespace, request.name)
+        applying = "apply-patch" in request.headers.get("Content-Type", "")
+        if applying and (key not in self.objects or self.objects[key].deleted):
+            self._on_create(request)
+            self.objects[key] = copy.deepcopy(request.data)
 
     def _on_patch(self, request: kmock.Request) -> None:
         """Bump resourceVersion (and generation on spec changes); fail a JSON patch's `test` with 422."""

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rawmm_operator.testing import Cluster
+from kube.emulator import Cluster
 
 RLRUNS = "rawmm.dev/v1alpha1/rlruns"
 RLRUNS_URL = "/apis/rawmm.dev/v1alpha1/namespaces/ml/rlruns"

@@ -11,12 +11,14 @@ from rawmm.config import RunConfig
 from rawmm.quantity import parse_byte_size
 from rawmm_operator.builders import (
     RUN_LABEL,
+    TEMPLATE_HASH,
     PodMonitorSettings,
     RunRef,
     build_children,
+    build_weights_secret,
     container_resources,
 )
-from rawmm_operator.spec import Resources, parse_spec
+from rawmm_operator.spec import Resources, default_image, parse_spec
 
 RUN = RunRef(name="exp", namespace="ml", uid="5b1f5d0e-6a37-4f8e-8a0d-4bd0c3b3b5a1")
 KUBERNETES_VERSIONS = ["1.31", kubernetes_validate.latest_version()]
@@ -111,12 +113,12 @@ def test_engine_statefulset_serves_raw_refs_with_the_cache_budget() -> None:
     assert args[args.index("--offload-root") + 1] == "/shared/images"
     assert args[args.index("--processor-backend") + 1] == "torchvision"
     assert "--" not in args  # no vLLM arguments to pass on
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["RAWMM_MATERIALIZE_CACHE_SIZE"] == "4Gi"
     resources = container["resources"]
-    # 32Gi asked for the engine itself + the 4Gi cache budget, requested and limited
+    # 32Gi asked for the engine itself + the 4Gi cache budget; no memory limit, as the user set none
     assert parse_byte_size(resources["requests"]["memory"]) == (32 + 4) * 2**30
-    assert parse_byte_size(resources["limits"]["memory"]) == (32 + 4) * 2**30
+    assert "memory" not in resources["limits"]
     assert resources["limits"]["nvidia.com/gpu"] == 1
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
@@ -157,7 +159,12 @@ def test_cpu_only_run_has_no_gpus_and_a_memory_limit_with_the_cache() -> None:
     assert parse_byte_size(engine["resources"]["limits"]["memory"]) == 3 * 2**30 + 256 * 2**20
     assert parse_byte_size(engine["resources"]["requests"]["memory"]) == 2 * 2**30 + 256 * 2**20
     (trainer,) = pod_spec(built[("Job", "exp-trainer")])["containers"]
-    assert [trainer["command"][0], *trainer["args"]] == ["rawmm", "train", "/etc/rawmm/run.yaml"]
+    assert [trainer["command"][0], *trainer["args"]] == [
+        "rawmm",
+        "train",
+        "/etc/rawmm/run.yaml",
+        "--batch-timeout=7200",
+    ]
     assert not [key for key in built if key[0] == "PodMonitor"]
 
 
@@ -177,7 +184,13 @@ def test_single_node_multi_gpu_trainer_runs_under_standalone_torchrun() -> None:
     (container,) = pod_spec(trainer)["containers"]
     assert container["command"] == ["torchrun"]
     assert "--standalone" in container["args"] and "--nproc-per-node=8" in container["args"]
-    assert container["args"][-4:] == ["--no-python", "rawmm", "train", "/etc/rawmm/run.yaml"]
+    assert container["args"][-5:] == [
+        "--no-python",
+        "rawmm",
+        "train",
+        "/etc/rawmm/run.yaml",
+        "--batch-timeout=7200",
+    ]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert trainer["spec"]["completionMode"] == "Indexed"
 
@@ -208,9 +221,14 @@ def test_suspend_scales_engines_to_zero_and_suspends_the_jobs() -> None:
 
 
 def test_finished_run_releases_engines_and_leaves_its_jobs_alone() -> None:
-    built = children(ISSUE_EXAMPLE, finished=True)
+    built = children(ISSUE_EXAMPLE, stage="finished")
     assert built[("StatefulSet", "exp-engine")]["spec"]["replicas"] == 0
     assert not [key for key in built if key[0] == "Job"]
+
+
+def test_expired_run_keeps_only_its_volume() -> None:
+    assert set(children(ISSUE_EXAMPLE, stage="expired")) == {("PersistentVolumeClaim", "exp-offload")}
+    assert children(EXISTING_CLAIM, stage="expired") == {}
 
 
 def test_cache_size_change_changes_only_the_engine_template() -> None:
@@ -248,17 +266,21 @@ def test_building_twice_gives_the_same_manifests() -> None:
 @pytest.mark.parametrize(
     ("requests", "limits", "expected_request", "expected_limit"),
     [
-        ({"memory": "1Gi"}, {}, 2 * 2**30, 2 * 2**30),
+        # request = the user's request (else their limit, as Kubernetes would default it) + the cache;
+        # a limit only where the user set one, + the cache
+        ({"memory": "1Gi"}, {}, 2 * 2**30, None),
         ({"memory": "1Gi"}, {"memory": "4Gi"}, 2 * 2**30, 5 * 2**30),
-        ({}, {}, 2**30, 2**30),
+        ({}, {"memory": "4Gi"}, 5 * 2**30, 5 * 2**30),
+        ({}, {}, 2**30, None),
     ],
 )
 def test_container_resources_add_the_extra_memory(
-    requests: dict, limits: dict, expected_request: int, expected_limit: int
+    requests: dict, limits: dict, expected_request: int, expected_limit: int | None
 ) -> None:
     out = container_resources(Resources(requests=requests, limits=limits), gpus=0, extra_memory_bytes=2**30)
     assert parse_byte_size(out["requests"]["memory"]) == expected_request
-    assert parse_byte_size(out["limits"]["memory"]) == expected_limit
+    limit = out.get("limits", {}).get("memory")
+    assert (parse_byte_size(limit) if limit else None) == expected_limit
 
 
 def test_trust_remote_code_reaches_the_engine() -> None:
@@ -266,3 +288,214 @@ def test_trust_remote_code_reaches_the_engine() -> None:
     assert "--trust-remote-code" in engine["args"]
     (plain,) = pod_spec(children(ISSUE_EXAMPLE)[("StatefulSet", "exp-engine")])["containers"]
     assert "--trust-remote-code" not in plain["args"]
+
+
+def test_images_are_resolved_from_the_operators_release_unless_given() -> None:
+    images = {
+        (kind, name): pod_spec(m)["containers"][0]["image"]
+        for (kind, name), m in children(CPU_ONLY).items()
+        if kind in ("StatefulSet", "Job")
+    }
+    assert images == {
+        ("StatefulSet", "exp-engine"): default_image("inference"),
+        ("Job", "exp-orchestrator"): default_image("trainer"),
+        ("Job", "exp-trainer"): default_image("trainer"),
+    }
+    assert parse_spec("exp", CPU_ONLY).inference.image == ""  # nothing baked into the stored spec
+    (engine,) = pod_spec(children(ISSUE_EXAMPLE)[("StatefulSet", "exp-engine")])["containers"]
+    assert engine["image"] == "registry.example/rawmm-inference:dev"
+
+
+def test_read_write_once_puts_every_pod_of_the_run_on_one_node() -> None:
+    term = {"labelSelector": {"matchLabels": {RUN_LABEL: "exp"}}, "topologyKey": "kubernetes.io/hostname"}
+    for pod in all_pod_specs(CPU_ONLY):  # ReadWriteOnce
+        assert pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [term]
+    rwo_multi_gpu = merged(MULTI_GPU, {"offload": {"accessMode": "ReadWriteOnce"}})
+    engine = pod_spec(children(rwo_multi_gpu)[("StatefulSet", "exp-engine")])
+    # the user's own affinity is kept beside it
+    assert engine["affinity"]["podAntiAffinity"] == MULTI_GPU["inference"]["affinity"]["podAntiAffinity"]
+    assert engine["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [term]
+    for pod in all_pod_specs(ISSUE_EXAMPLE):  # ReadWriteMany: no co-location
+        assert "podAffinity" not in pod.get("affinity", {})
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_pods_bound_shared_memory_and_reown_the_volume_only_on_mismatch(name: str) -> None:
+    for pod in all_pod_specs(SPECS[name]):
+        assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+        (dshm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+        assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
+    shm = merged(CPU_ONLY, {"trainer": {"shmSize": "8Gi"}})
+    (dshm,) = [v for v in pod_spec(children(shm)[("Job", "exp-trainer")])["volumes"] if v["name"] == "dshm"]
+    assert dshm["emptyDir"]["sizeLimit"] == "8Gi"
+
+
+def test_startup_probe_budget_is_configurable() -> None:
+    def budget(spec: dict[str, Any]) -> int:
+        (engine,) = pod_spec(children(spec)[("StatefulSet", "exp-engine")])["containers"]
+        probe = engine["startupProbe"]
+        return probe["periodSeconds"] * probe["failureThreshold"]
+
+    assert budget(ISSUE_EXAMPLE) == 1800
+    assert budget(merged(ISSUE_EXAMPLE, {"inference": {"startupTimeoutSeconds": 7200}})) == 7200
+
+
+def test_accelerator_resource_name_is_configurable() -> None:
+    spec = merged(
+        MULTI_GPU,
+        {
+            "inference": {"acceleratorResource": "nvidia.com/mig-3g.40gb"},
+            "trainer": {"acceleratorResource": "amd.com/gpu"},
+        },
+    )
+    built = children(spec)
+    (engine,) = pod_spec(built[("StatefulSet", "exp-engine")])["containers"]
+    (trainer,) = pod_spec(built[("Job", "exp-trainer")])["containers"]
+    assert engine["resources"]["limits"] == {"nvidia.com/mig-3g.40gb": 4}
+    assert trainer["resources"]["limits"] == {"amd.com/gpu": 8}
+    assert "nvidia.com/gpu" not in str(engine["resources"]) + str(trainer["resources"])
+
+
+OVERRIDES: dict[str, Any] = {
+    "env": [{"name": "HF_HOME", "value": "/models/hf"}, {"name": "NCCL_DEBUG", "value": "INFO"}],
+    "envFrom": [{"secretRef": {"name": "hf-token"}}],
+    "labels": {"team": "vision", RUN_LABEL: "not-mine"},
+    "annotations": {"example.com/owner": "vision"},
+    "nodeSelector": {"pool": "a100"},
+    "tolerations": [{"key": "spot", "operator": "Exists", "effect": "NoSchedule"}],
+    "topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}
+    ],
+    "priorityClassName": "training-high",
+    "schedulerName": "volcano",
+    "runtimeClassName": "nvidia",
+    "serviceAccountName": "vision-runner",
+    "imagePullSecrets": [{"name": "regcred"}],
+    "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "model-cache"}}],
+    "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
+    "resources": {"requests": {"cpu": "3", "memory": "5Gi"}, "limits": {"memory": "6Gi"}},
+}
+
+
+@pytest.mark.parametrize(
+    ("role", "kind", "name"),
+    [
+        ("inference", "StatefulSet", "exp-engine"),
+        ("orchestrator", "Job", "exp-orchestrator"),
+        ("trainer", "Job", "exp-trainer"),
+    ],
+)
+def test_pod_template_overrides_per_role(role: str, kind: str, name: str) -> None:
+    built = children(merged(ISSUE_EXAMPLE, {role: OVERRIDES}))
+    manifest = built[(kind, name)]
+    kubernetes_validate.validate(manifest, KUBERNETES_VERSIONS[-1], strict=True)
+    template = manifest["spec"]["template"]
+    pod = template["spec"]
+    (container,) = pod["containers"]
+    assert template["metadata"]["labels"]["team"] == "vision"
+    assert template["metadata"]["labels"][RUN_LABEL] == "exp"  # the operator's own labels win
+    assert template["metadata"]["annotations"] == {"example.com/owner": "vision"}
+    for field in (
+        "nodeSelector",
+        "tolerations",
+        "topologySpreadConstraints",
+        "priorityClassName",
+        "schedulerName",
+        "runtimeClassName",
+        "serviceAccountName",
+        "imagePullSecrets",
+    ):
+        assert pod[field] == OVERRIDES[field], field
+    env = {e["name"]: e for e in container["env"]}
+    assert env["HF_HOME"] == {"name": "HF_HOME", "value": "/models/hf"}  # replaces the operator's
+    assert env["NCCL_DEBUG"]["value"] == "INFO" and "HOME" in env
+    assert [e["name"] for e in container["env"]].count("HF_HOME") == 1
+    assert container["envFrom"] == OVERRIDES["envFrom"]
+    assert OVERRIDES["volumes"][0] in pod["volumes"] and {v["name"] for v in pod["volumes"]} >= {
+        "shared",
+        "dshm",
+    }
+    assert OVERRIDES["volumeMounts"][0] in container["volumeMounts"]
+    assert container["resources"]["requests"]["cpu"] == "3"
+    # the other roles are untouched
+    others = [m for key, m in built.items() if key[0] in ("StatefulSet", "Job") and key != (kind, name)]
+    for other in others:
+        assert "priorityClassName" not in pod_spec(other)
+
+
+def test_jobs_ignore_disruptions_and_fail_on_a_real_failure() -> None:
+    for key in (("Job", "exp-orchestrator"), ("Job", "exp-trainer")):
+        job = children(MULTI_NODE)[key]
+        container = pod_spec(job)["containers"][0]["name"]
+        assert job["spec"]["podFailurePolicy"]["rules"] == [
+            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            {
+                "action": "FailJob",
+                "onExitCodes": {"containerName": container, "operator": "NotIn", "values": [0]},
+            },
+        ]
+        assert job["spec"]["podReplacementPolicy"] == "Failed"
+        assert pod_spec(job)["restartPolicy"] == "Never"  # podFailurePolicy requires it
+
+
+def test_the_trainers_batch_wait_has_a_deadline() -> None:
+    for spec, expected in (
+        (ISSUE_EXAMPLE, "7200"),
+        (merged(CPU_ONLY, {"trainer": {"batchTimeoutSeconds": 60}}), "60"),
+    ):
+        (trainer,) = pod_spec(children(spec)[("Job", "exp-trainer")])["containers"]
+        assert f"--batch-timeout={expected}" in trainer["args"]
+
+
+def test_queue_label_reaches_the_jobs_which_start_suspended() -> None:
+    queued = RunRef(name="exp", namespace="ml", uid=RUN.uid, queue_name="team-a")
+    built = build_children(queued, parse_spec("exp", ISSUE_EXAMPLE))
+    jobs = [m for m in built if m["kind"] == "Job"]
+    assert len(jobs) == 2
+    for job in jobs:
+        assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+        assert job["spec"]["suspend"] is True  # Kueue admits it by unsuspending
+    plain = [m for m in children(ISSUE_EXAMPLE).values() if m["kind"] == "Job"]
+    assert all(job["spec"]["suspend"] is False for job in plain)
+    assert all("kueue.x-k8s.io/queue-name" not in job["metadata"]["labels"] for job in plain)
+
+
+def job_hashes(spec: dict[str, Any]) -> dict[str, str]:
+    return {
+        name: m["metadata"]["annotations"][TEMPLATE_HASH]
+        for (kind, name), m in children(spec).items()
+        if kind == "Job"
+    }
+
+
+def test_template_hash_follows_what_each_job_runs() -> None:
+    base = job_hashes(ISSUE_EXAMPLE)
+    assert job_hashes(ISSUE_EXAMPLE) == base
+    # suspend changes in place; the engines' cache is not what the Jobs run
+    assert job_hashes(merged(ISSUE_EXAMPLE, {"suspend": True})) == base
+    assert job_hashes(merged(ISSUE_EXAMPLE, {"inference": {"materializeCacheSize": "8Gi"}})) == base
+    trainer_only = job_hashes(merged(ISSUE_EXAMPLE, {"trainer": {"resources": {"requests": {"cpu": "16"}}}}))
+    assert trainer_only["exp-trainer"] != base["exp-trainer"]
+    assert trainer_only["exp-orchestrator"] == base["exp-orchestrator"]
+    # a run config change (read by both from the ConfigMap) and the engines' URLs
+    for patch in ({"trainer": {"learningRate": 1e-5}}, {"inference": {"replicas": 3}}):
+        changed = job_hashes(merged(ISSUE_EXAMPLE, patch))
+        assert changed["exp-orchestrator"] != base["exp-orchestrator"], patch
+
+
+def test_engines_and_orchestrator_get_the_weights_token_and_root() -> None:
+    built = children(ISSUE_EXAMPLE)
+    token = {
+        "name": "RAWMM_WEIGHTS_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "exp-weights", "key": "token"}},
+    }
+    (engine,) = pod_spec(built[("StatefulSet", "exp-engine")])["containers"]
+    (orchestrator,) = pod_spec(built[("Job", "exp-orchestrator")])["containers"]
+    (trainer,) = pod_spec(built[("Job", "exp-trainer")])["containers"]
+    assert token in engine["env"] and token in orchestrator["env"]
+    assert token not in trainer["env"]
+    assert engine["args"][engine["args"].index("--weights-root") + 1] == "/shared/checkpoints"
+    secret = build_weights_secret(RUN, "s3cret")
+    kubernetes_validate.validate(secret, KUBERNETES_VERSIONS[-1], strict=True)
+    assert secret["metadata"]["name"] == "exp-weights" and secret["stringData"] == {"token": "s3cret"}
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == RUN.uid

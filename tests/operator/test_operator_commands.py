@@ -15,12 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from kube.emulator import Cluster, emulated_cluster
 from operator_samples import CPU_ONLY, ISSUE_EXAMPLE, rlrun
 from prometheus_client.parser import text_string_to_metric_families
 
 from rawmm.cli import main
 from rawmm_operator.crd import crd_yaml
-from rawmm_operator.testing import Cluster, emulated_cluster
 
 
 def free_port() -> int:
@@ -148,7 +148,7 @@ def test_manifests_render_prints_the_children_of_an_rlrun(
 @pytest.mark.slow
 def test_the_operator_imports_no_engine_or_trainer_code() -> None:
     code = (
-        "import sys, rawmm_operator.main, rawmm_operator.testing, rawmm.commands.operator\n"
+        "import sys, rawmm_operator.main, rawmm.commands.operator\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'transformers', 'vllm'}"
         " or m.startswith(('rawmm.materialize', 'rawmm.serving', 'rawmm.rl', 'rawmm.contract')))\n"
         "assert not heavy, heavy\n"

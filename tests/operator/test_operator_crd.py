@@ -11,10 +11,11 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from operator_samples import SPECS, apply_schema_defaults, rlrun
+from operator_samples import SPECS, apply_schema_defaults, merged, rlrun
 
+from rawmm.quantity import parse_byte_size
 from rawmm_operator.crd import crd_manifest, crd_yaml, spec_schema
-from rawmm_operator.spec import InferenceSpec, parse_spec
+from rawmm_operator.spec import InferenceSpec, parse_spec, run_name_problem
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "manifests" / "crds" / "rlruns.rawmm.dev.yaml"
@@ -156,12 +157,68 @@ def cel_rules(node: dict[str, Any]) -> list[dict[str, str]]:
     return node.get("x-kubernetes-validations", [])
 
 
+def _quantity(text: Any) -> celpy.celtypes.IntType:
+    return celpy.celtypes.IntType(parse_byte_size(str(text)))
+
+
+def _compare_to(a: Any, b: Any) -> celpy.celtypes.IntType:
+    return celpy.celtypes.IntType((a > b) - (a < b))
+
+
+# Kubernetes' CEL quantity library, for byte sizes (the server has the real one; the real-server tests
+# in test_real_operator_* prove the rules there).
+CEL_LIBRARY = {"quantity": _quantity, "compareTo": _compare_to}
+
+
 def evaluate(rule: str, self_value: Any, old_value: Any = None) -> bool:
+    """The rule's value; raises where the server would report an error (a missing key, a bad type)."""
     env = celpy.Environment()
     activation = {"self": celpy.json_to_cel(self_value)}
     if old_value is not None:
         activation["oldSelf"] = celpy.json_to_cel(old_value)
-    return bool(env.program(env.compile(rule)).evaluate(activation))
+    result = env.program(env.compile(rule), functions=CEL_LIBRARY).evaluate(activation)
+    assert isinstance(result, celpy.celtypes.BoolType), f"{rule} gave {result!r}"
+    return bool(result)
+
+
+def rule_nodes(node: dict[str, Any], path: tuple[str, ...] = ()) -> Any:
+    """(path of property names, schema node) of every node that carries CEL rules."""
+    if cel_rules(node):
+        yield path, node
+    for name, sub in node.get("properties", {}).items():
+        yield from rule_nodes(sub, (*path, name))
+
+
+def at(value: Any, path: tuple[str, ...]) -> Any:
+    for name in path:
+        value = value[name]
+    return value
+
+
+@pytest.mark.parametrize(("source", "body"), example_bodies(), ids=[s for s, _ in example_bodies()])
+def test_every_cel_rule_is_safe_on_the_object_as_stored(source: str, body: dict[str, Any]) -> None:
+    """An error in a rule rejects the object: every rule must evaluate (to true, for these valid specs) on
+    the object the server stores, where an optional field without a default is absent. Also on update
+    (self == oldSelf) for the transition rules."""
+    stored = as_stored(body)
+    evaluated = 0
+    for path, node in rule_nodes(open_api_schema()):
+        value = at(stored, path)
+        for rule in cel_rules(node):
+            old = value if "oldSelf" in rule["rule"] else None
+            assert evaluate(rule["rule"], value, old), (path, rule["message"])
+            evaluated += 1
+    assert evaluated >= 8
+
+
+def test_the_cpu_quickstart_passes_without_extra_args() -> None:
+    """The defect the real server showed: `size(self.extraArgs)` on a spec that has none."""
+    (body,) = [b for s, b in example_bodies() if s == "tiny-cpu.yaml"]
+    assert "extraArgs" not in body["spec"]["inference"]
+    inference = as_stored(body)["spec"]["inference"]
+    assert "extraArgs" not in inference  # no schema default: absent as stored
+    for rule in cel_rules(open_api_schema()["properties"]["spec"]["properties"]["inference"]):
+        assert evaluate(rule["rule"], inference), rule["message"]
 
 
 def test_every_cel_rule_compiles() -> None:
@@ -207,10 +264,61 @@ def test_model_and_claim_are_immutable_but_the_rest_may_change() -> None:
     assert not allowed({**old, "accessMode": "ReadWriteOnce"})
 
 
-def test_run_name_length_rule() -> None:
-    (rule,) = cel_rules(open_api_schema())
-    assert evaluate(rule["rule"], {"metadata": {"name": "a" * 40}})
-    assert not evaluate(rule["rule"], {"metadata": {"name": "a" * 41}})
+@pytest.mark.parametrize(
+    ("old", "new", "ok"),
+    [
+        ("100Gi", "100Gi", True),
+        ("100Gi", "200Gi", True),
+        ("100Gi", "1Ti", True),
+        ("100Gi", "99Gi", False),
+        ("1Ti", "1000Gi", False),
+        ("100Gi", "107374182400", True),
+    ],
+)
+def test_offload_size_may_grow_but_never_shrink(old: str, new: str, ok: bool) -> None:
+    node = open_api_schema()["properties"]["spec"]["properties"]["offload"]
+    (rule,) = [r for r in cel_rules(node) if r["message"] == "offload.size cannot shrink"]
+    before = apply_schema_defaults(node, {"size": old})
+    assert evaluate(rule["rule"], {**before, "size": new}, before) is ok
+
+
+@pytest.mark.parametrize(
+    ("name", "ok"),
+    [
+        ("a" * 40, True),
+        ("exp-1", True),
+        ("a" * 41, False),
+        ("my.run", False),
+        ("1run", False),
+        ("Run", False),
+        ("run-", False),
+    ],
+)
+def test_run_names_are_dns_1035_labels_in_the_schema(name: str, ok: bool) -> None:
+    """A name with a dot is a valid RLRun name for Kubernetes but not a Service name: the schema refuses it."""
+    body = rlrun(name, SPECS["cpu-only"])
+    errors = list(jsonschema.Draft4Validator(open_api_schema()).iter_errors(as_stored(body)))
+    assert (not errors) is ok, [e.message for e in errors]
+    assert (run_name_problem(name) is None) is ok
+
+
+def test_read_write_once_pod_is_refused_and_read_write_once_needs_one_trainer_node() -> None:
+    schema = open_api_schema()
+    modes = schema["properties"]["spec"]["properties"]["offload"]["properties"]["accessMode"]["enum"]
+    assert modes == ["ReadWriteMany", "ReadWriteOnce"]
+    (rule,) = cel_rules(schema["properties"]["spec"])
+    for mode, nodes, ok in [
+        ("ReadWriteOnce", 1, True),
+        ("ReadWriteOnce", 2, False),
+        ("ReadWriteMany", 4, True),
+    ]:
+        stored = as_stored(
+            rlrun(
+                "run",
+                merged(SPECS["multi-node"], {"offload": {"accessMode": mode}, "trainer": {"nodes": nodes}}),
+            )
+        )
+        assert evaluate(rule["rule"], stored["spec"]) is ok
 
 
 def test_trainer_seq_len_rule_agrees_with_the_run_config() -> None:

@@ -1,17 +1,16 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from operator_samples import ISSUE_EXAMPLE, merged, rlrun
+from kube.emulator import Cluster, emulated_cluster
+from operator_samples import ISSUE_EXAMPLE, rlrun
 
 from rawmm_operator.builders import RunRef, build_children
-from rawmm_operator.kube import LAST_APPLIED, ApiError, KubeApi, apply, merge_patch
+from rawmm_operator.kube import ApiError, KubeApi, merge_patch
 from rawmm_operator.spec import parse_spec
-from rawmm_operator.testing import Cluster, emulated_cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -59,51 +58,6 @@ def child(run: RunRef, kind: str, name: str, spec: dict[str, Any] = ISSUE_EXAMPL
 )
 def test_merge_patch(old: dict, new: dict, patch: dict) -> None:
     assert merge_patch(old, new) == patch
-
-
-async def test_create_then_nothing_to_do_then_a_three_way_patch(
-    cluster: Cluster, api: KubeApi, run: RunRef
-) -> None:
-    manifest = child(run, "StatefulSet", "exp-engine")
-    created = await asyncio.to_thread(apply, api, manifest, None)
-    assert created.action == "created"
-    assert json.loads(created.object["metadata"]["annotations"][LAST_APPLIED]) == manifest
-
-    live = await asyncio.to_thread(api.get, "StatefulSet", "ml", "exp-engine")
-    patches_before = len(cluster.requests("PATCH"))
-    again = await asyncio.to_thread(apply, api, manifest, live)
-    assert again.action == "unchanged" and len(cluster.requests("PATCH")) == patches_before
-
-    # Someone else's field (a controller's status) survives; a field we stop setting is removed.
-    await asyncio.to_thread(
-        api.patch, "StatefulSet", "ml", "exp-engine", {"status": {"readyReplicas": 2}}, subresource="status"
-    )
-    changed = merged(manifest, {"spec": {"replicas": 5}})
-    del changed["spec"]["podManagementPolicy"]
-    live = await asyncio.to_thread(api.get, "StatefulSet", "ml", "exp-engine")
-    patched = await asyncio.to_thread(apply, api, changed, live)
-    assert patched.action == "patched"
-    assert patched.object["spec"]["replicas"] == 5
-    assert "podManagementPolicy" not in patched.object["spec"]
-    assert patched.object["status"] == {"readyReplicas": 2}
-
-
-async def test_existing_jobs_only_take_suspend(cluster: Cluster, api: KubeApi, run: RunRef) -> None:
-    job = child(run, "Job", "exp-trainer")
-    await asyncio.to_thread(apply, api, job, None)
-    live = await asyncio.to_thread(api.get, "Job", "ml", job["metadata"]["name"])
-    changed = child(
-        run,
-        "Job",
-        "exp-trainer",
-        merged(ISSUE_EXAMPLE, {"suspend": True, "trainer": {"steps": 9, "image": "other:1"}}),
-    )
-    await asyncio.to_thread(apply, api, changed, live)
-    (patch,) = [r.data for r in cluster.requests("PATCH")]
-    assert patch["spec"] == {"suspend": True}  # the template is immutable in Kubernetes: never sent
-    after = cluster.object("batch/v1/jobs", "ml", job["metadata"]["name"])
-    assert after is not None and after["spec"]["suspend"] is True
-    assert after["spec"]["template"] == job["spec"]["template"]
 
 
 async def test_api_errors(cluster: Cluster, api: KubeApi, run: RunRef) -> None:

@@ -7,12 +7,13 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+from kube.emulator import Cluster, emulated_cluster, running_operator
 from operator_samples import CPU_ONLY, RLRUNS_URL, eventually, rlrun, run_status
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from rawmm_operator.handlers import LoopTiming
-from rawmm_operator.progress import CACHE_HITS, metrics_url, sample_sums
-from rawmm_operator.testing import Cluster, emulated_cluster, running_operator
+from rawmm_operator.progress import CACHE_HITS, ProgressReader, metrics_url, sample_sums
+from rawmm_operator.status import Progress
 
 
 def test_sample_sums_add_up_every_label_set() -> None:
@@ -123,3 +124,29 @@ async def test_status_shows_trainer_step_and_cache_hit_rate_between_scrapes(clus
             await eventually(lambda: run_status(cluster).get("cacheHitRate") == 0.75, what="the hit rate")
             step.set(8)
             await eventually(lambda: run_status(cluster).get("trainerStep") == 8)
+
+
+class PodList:
+    """The one KubeApi call the progress reader makes, answered from a list the test changes."""
+
+    def __init__(self) -> None:
+        self.pods: list[dict[str, Any]] = []
+
+    def list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        return self.pods
+
+
+def test_hit_rate_after_an_engine_restart_counts_from_its_new_counters() -> None:
+    api = PodList()
+    reader = ProgressReader(api)  # type: ignore[arg-type]
+    with exporters(2) as (before, after):
+        Counter("rawmm_materialize_cache_hits", "", registry=before.registry).inc(90)
+        Counter("rawmm_materialize_cache_misses", "", registry=before.registry).inc(10)
+        api.pods = [pod("exp-engine-0", "engine", "http", before.port)]
+        first = reader.read("ml", "exp", Progress())
+        assert first.cache_hit_rate is None  # one scrape: no rate yet
+        # The engine restarted: its counters began again, below the last scrape's (3 hits of 4 lookups).
+        Counter("rawmm_materialize_cache_hits", "", registry=after.registry).inc(3)
+        Counter("rawmm_materialize_cache_misses", "", registry=after.registry).inc(1)
+        api.pods = [pod("exp-engine-0", "engine", "http", after.port)]
+        assert reader.read("ml", "exp", Progress(cache_hit_rate=0.9)).cache_hit_rate == 0.75

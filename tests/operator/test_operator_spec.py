@@ -23,11 +23,9 @@ def test_spec_is_camel_case_and_inherits_the_run_config_defaults() -> None:
     assert spec.trainer.clip_ratio_high == config_defaults.trainer.clip_ratio_high
     assert spec.inference.materialize_cache_size == config_defaults.inference.materialize_cache_size
     assert spec.inference.engine == "vllm"  # the cluster default differs from local runs on purpose
-    assert (
-        spec.inference.image
-        == default_image("inference")
-        == f"ghcr.io/rawmm/rawmm-inference:{rawmm.__version__}"
-    )
+    # images are resolved from the operator's release at reconcile time, never stored
+    assert spec.inference.image == spec.orchestrator.image == spec.trainer.image == ""
+    assert default_image("inference") == f"ghcr.io/rawmm/rawmm-inference:{rawmm.__version__}"
     with pytest.raises(InvalidSpec, match="orchestrator.prompts_per_step: unknown field"):
         parse_spec(
             "run", {"model": {"name": "m", "preset": "qwen2_vl"}, "orchestrator": {"prompts_per_step": 3}}
@@ -54,6 +52,17 @@ def test_spec_is_camel_case_and_inherits_the_run_config_defaults() -> None:
         ({"trainer": {"nodes": 0}}, "trainer.nodes: "),
         ({"trainer": {"clipRatioLow": 1.0}}, "trainer.clipRatioLow: "),
         ({"offload": {"accessMode": "ReadOnlyMany"}}, "offload.accessMode: "),
+        ({"offload": {"accessMode": "ReadWriteOncePod"}}, "offload.accessMode: "),
+        (
+            {"offload": {"accessMode": "ReadWriteOnce"}, "trainer": {"nodes": 2}},
+            "ReadWriteOnce keeps every pod on one node",
+        ),
+        ({"inference": {"volumes": [{"name": "shared", "emptyDir": {}}]}}, "volumes may not be named"),
+        (
+            {"trainer": {"volumeMounts": [{"name": "x", "mountPath": "/dev/shm"}]}},
+            "volumeMounts may not mount",
+        ),
+        ({"inference": {"acceleratorResource": "nvidia com/gpu"}}, "inference.acceleratorResource: "),
         ({"suspend": "yes please"}, "suspend: "),
         ({"extra": 1}, "extra: unknown field"),
     ],

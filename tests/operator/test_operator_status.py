@@ -4,7 +4,14 @@ from typing import Any
 
 import pytest
 
-from rawmm_operator.status import Observed, RLRunStatus, derive_status, invalid_spec_status, transitions
+from rawmm_operator.status import (
+    Applying,
+    Observed,
+    RLRunStatus,
+    derive_status,
+    invalid_spec_status,
+    transitions,
+)
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -37,10 +44,10 @@ def observed(**children: Any) -> Observed:
 
 
 def derive(
-    obs: Observed, previous: RLRunStatus | None = None, *, suspend: bool = False, now: str = T0
+    obs: Observed, previous: RLRunStatus | None = None, *, suspend: bool = False, now: str = T0, **kwargs: Any
 ) -> RLRunStatus:
     return derive_status(
-        suspend=suspend, generation=3, observed=obs, previous=previous or RLRunStatus(), now=now
+        suspend=suspend, generation=3, observed=obs, previous=previous or RLRunStatus(), now=now, **kwargs
     )
 
 
@@ -58,6 +65,7 @@ def test_all_children_healthy_is_running_with_every_condition() -> None:
         "TrainerRunning": "True",
         "Complete": "False",
         "Failed": "False",
+        "Reconciled": "True",
     }
     assert status.observed_generation == 3
     assert status.engines is not None and status.engines.ready_replicas == 2
@@ -156,3 +164,64 @@ def test_status_dump_is_camel_case_and_round_trips() -> None:
     assert {"observedGeneration", "startTime", "conditions", "engines"} <= set(dumped)
     assert "lastTransitionTime" in dumped["conditions"][0]
     assert RLRunStatus.model_validate(dumped) == status
+
+
+def test_a_pending_claim_says_why_from_its_events() -> None:
+    hint = "FailedBinding: no persistent volumes available for this claim and no storage class is set"
+    status = derive(observed(claim=claim("Pending"), claim_event=hint))
+    volume = status.condition("OffloadVolumeReady")
+    assert volume is not None and volume.reason == "ClaimPending"
+    assert volume.message == f"PersistentVolumeClaim r-offload is Pending: {hint}"
+    bound = derive(observed(claim_event=hint)).condition("OffloadVolumeReady")
+    assert bound is not None and bound.message == "PersistentVolumeClaim r-offload is Bound"
+
+
+def test_a_rejected_child_is_a_condition_and_a_warning_never_a_failed_run() -> None:
+    healthy = derive(observed())
+    message = "422: PersistentVolumeClaim is invalid: spec: Forbidden: spec is immutable after creation"
+    rejected = derive(
+        observed(), healthy, applying=Applying(rejected={"PersistentVolumeClaim/r-offload": message})
+    )
+    assert rejected.phase == "Running" and rejected.reason is None
+    reconciled = rejected.condition("Reconciled")
+    assert reconciled is not None and (reconciled.status, reconciled.reason) == ("False", "ChildRejected")
+    assert message in reconciled.message
+    events = transitions(healthy, rejected)
+    assert [(t.type, t.reason) for t in events] == [("Warning", "ChildRejected")]
+    # a run created into a quota that refuses a child warns on its first pass too
+    first = transitions(
+        RLRunStatus(), derive(observed(), applying=Applying(rejected={"Job/x": "403: quota"}))
+    )
+    assert ("Warning", "ChildRejected") in [(t.type, t.reason) for t in first]
+    recovered = derive(observed(), rejected)
+    assert [(t.type, t.reason) for t in transitions(rejected, recovered)] == [("Normal", "Applied")]
+
+
+def test_events_only_on_transitions() -> None:
+    """The same observation twice is no news: nothing to post (once per resync was the spam)."""
+    for applying in (
+        Applying(),
+        Applying(unavailable=("PodMonitor/r",)),
+        Applying(rejected={"Job/x": "403"}),
+    ):
+        first = derive(observed(), applying=applying)
+        again = derive(observed(), first, now=T1, applying=applying)
+        assert transitions(first, again) == []
+
+
+def test_an_active_deadline_fails_the_run_with_its_reason() -> None:
+    status = derive(observed(), deadline_exceeded=True)
+    assert (status.phase, status.reason) == ("Failed", "DeadlineExceeded")
+    done = derive(observed(trainer=job(condition="Complete")), deadline_exceeded=True)
+    assert done.phase == "Succeeded"
+
+
+def test_a_job_suspended_by_a_queue_waits_for_admission() -> None:
+    status = derive(observed(orchestrator=job(suspend=True), trainer=job(suspend=True)))
+    assert status.phase == "Provisioning"
+    trainer = status.condition("TrainerRunning")
+    assert (
+        trainer is not None and trainer.reason == "Suspended" and "waiting for admission" in trainer.message
+    )
+    own = derive(observed(orchestrator=job(suspend=True), trainer=job(suspend=True)), suspend=True)
+    assert own.phase == "Suspended"

@@ -45,10 +45,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{/*
-The operator's rules on RLRuns and their children: exactly the requests its handlers make (checked against
-the operator running on an API emulator in tests/charts/test_chart_rbac.py). kopf lists, watches and patches
-RLRuns (finalizer, bookkeeping annotations) and posts events; the reconciler reads each child, creates or
-patches it, and writes the RLRun's status; kopf watches the StatefulSets, Jobs and PVCs a run owns.
+The operator's rules on RLRuns and their children: exactly the requests its handlers make. kopf lists,
+watches and patches RLRuns (finalizer, bookkeeping annotations) and posts events; the reconciler reads
+each child, server-side applies it (a patch that creates an absent object, so create too), lists the
+run's children to delete (prune) those no longer built, deletes a Job whose template changed, reads a
+pending claim's events, creates the run's weights-token Secret once (never reads it), and writes the RLRun's status;
+kopf watches the StatefulSets, Jobs and PVCs a run owns.
 */}}
 {{- define "rawmm.operatorRules" -}}
 - apiGroups: [rawmm.dev]
@@ -62,29 +64,36 @@ patches it, and writes the RLRun's status; kopf watches the StatefulSets, Jobs a
 - apiGroups: [rawmm.dev]
   resources: [rlruns/finalizers]
   verbs: [update]
+# Events are posted on the RLRuns; a pending claim's events are read into its condition.
 - apiGroups: [""]
   resources: [events]
-  verbs: [create]
+  verbs: [create, list]
+# Claims are never deleted by the operator: they hold the run's data.
 - apiGroups: [""]
   resources: [persistentvolumeclaims]
   verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [configmaps, services]
-  verbs: [get, create, patch]
+  verbs: [get, list, create, patch, delete]
+# The run's weights-endpoint token: created once (an existing one is kept), deleted with an expired run
+# (ttlSecondsAfterFinished). Never read: the operator cannot see any Secret's data.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create, delete]
 # The run's pods are listed to scrape trainer step and cache hit rate into the RLRun's status.
 - apiGroups: [""]
   resources: [pods]
   verbs: [list]
 - apiGroups: [apps]
   resources: [statefulsets]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [batch]
   resources: [jobs]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, list, watch, create, patch, delete]
 {{- if .Values.runs.podMonitor.enabled }}
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]
-  verbs: [get, create, patch]
+  verbs: [get, list, create, patch, delete]
 {{- end }}
 {{- end }}
 
