@@ -138,7 +138,7 @@ class PodList:
 
 def test_hit_rate_after_an_engine_restart_counts_from_its_new_counters() -> None:
     api = PodList()
-    reader = ProgressReader(api)  # type: ignore[arg-type]
+    reader = ProgressReader(api)
     with exporters(2) as (before, after):
         Counter("rawmm_materialize_cache_hits", "", registry=before.registry).inc(90)
         Counter("rawmm_materialize_cache_misses", "", registry=before.registry).inc(10)
