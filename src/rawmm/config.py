@@ -18,6 +18,8 @@ Preset = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "kimi_k25"]
 ProcessorBackend = Literal["pil", "torchvision"]
 Engine = Literal["transformers", "vllm"]
 MissingImagePolicy = Literal["error", "zero_loss"]
+# ddp: every rank holds the whole model and AdamW state; fsdp: FSDP2 shards them over the ranks.
+Parallelism = Literal["ddp", "fsdp"]
 
 
 class ConfigError(ValueError):
@@ -122,6 +124,9 @@ class TrainerConfig(StrictModel):
     max_grad_norm: float = Field(default=1.0, gt=0.0)
     weight_decay: float = Field(default=0.0, ge=0.0)
     seed: int = 0
+    parallelism: Parallelism = "ddp"
+    # recompute each layer's activations in backward: less memory for about one more forward pass
+    activation_checkpointing: bool = False
 
     @model_validator(mode="after")
     def _seq_len_fits_a_micro_batch(self) -> TrainerConfig:

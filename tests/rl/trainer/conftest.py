@@ -1,123 +1,14 @@
-"""A tiny run on disk: config, offloaded images and on-policy rollout batches for the trainer."""
+"""Fixtures of the trainer tests: a tiny run's config and its rollout factory (see rollout_kit)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
-import numpy as np
 import pytest
-import torch
-from PIL import Image
+from rollout_kit import RolloutFactory, run_config
 
 from rawmm.config import RunConfig
-from rawmm.contract import OffloadStore, RawImageDescriptor
-from rawmm.rl.batches import write_batch
-from rawmm.rl.forward import forward_logprobs
-from rawmm.rl.orchestrator.rollout import PromptRenderer
-from rawmm.rl.packing import concat_samples
-from rawmm.rl.samples import RolloutBatch, Sample, build_mm_refs
-
-
-def random_image(width: int, height: int, seed: int) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-def run_config(model: Path, shared_dir: Path, **trainer: object) -> RunConfig:
-    return RunConfig.from_mapping(
-        {
-            "model": {"path": str(model), "preset": "qwen2_vl"},
-            "shared_dir": str(shared_dir),
-            "trainer": {
-                "steps": 2,
-                "learning_rate": 1e-3,
-                "seq_len": 512,
-                "micro_batch_tokens": 512,
-                **trainer,
-            },
-            "monitoring": {"trainer_metrics_port": 0, "orchestrator_metrics_port": 0},
-        }
-    )
-
-
-class RolloutFactory:
-    """Renders chats with images into samples whose old logprobs are the base model's own (on-policy)."""
-
-    def __init__(self, config: RunConfig) -> None:
-        from transformers import AutoModelForImageTextToText
-
-        from rawmm.materialize import get_adapter, load_processor
-
-        self.config = config
-        self.renderer = PromptRenderer(
-            config.model.path,
-            config.model.preset,
-            config.model.processor_backend,
-            OffloadStore(config.offload_dir),
-        )
-        self.loaded = load_processor(config.model.path)
-        self.adapter = get_adapter(self.loaded.family.name)
-        self.model = AutoModelForImageTextToText.from_pretrained(
-            config.model.path, dtype=torch.float32
-        ).eval()
-        self.images: dict[str, list[Image.Image]] = {}  # sample id -> its images, in order
-
-    def sample(self, images: list[Image.Image], completion: str, advantage: float, sample_id: str) -> Sample:
-        content = [
-            *({"type": "image", "image": im} for im in images),
-            {"type": "text", "text": "what is it?"},
-        ]
-        prompt = self.renderer.render(self.renderer.offload([{"role": "user", "content": content}]))
-        completion_ids = self.renderer.tokenizer.encode(completion)
-        n, c = len(prompt.token_ids), len(completion_ids)
-        sample = Sample(
-            token_ids=[*prompt.token_ids, *completion_ids],
-            mm_token_type_ids=[*prompt.mm_token_type_ids, *[0] * c],
-            loss_mask=[False] * n + [True] * c,
-            advantages=[0.0] * n + [advantage] * c,
-            logprobs=[0.0] * (n + c),
-            mm_refs=build_mm_refs(
-                [i.descriptor for i in prompt.images],
-                [i.mm_hash for i in prompt.images],
-                [{"offset": i.offset, "length": i.length} for i in prompt.images],
-            ),
-            reward=max(advantage, 0.0),
-            sample_id=sample_id,
-        )
-        self.images[sample_id] = images
-        return msgspec.structs.replace(sample, logprobs=self.logprobs(sample))
-
-    def logprobs(self, sample: Sample) -> list[float]:
-        """Per-token logprobs of `sample` under `self.model`, as the engine would have reported them."""
-        images = self.images[sample.sample_id]
-        descriptors = [RawImageDescriptor.from_dict(r.descriptor) for r in sample.mm_refs]
-        kwargs = (
-            self.adapter.materialize_for_trainer(images, descriptors, self.loaded).kwargs if images else {}
-        )
-        with torch.no_grad():
-            return forward_logprobs(
-                self.model, concat_samples([sample]), kwargs, self.adapter.forward_policy
-            ).tolist()
-
-    def delete_image(self, uri: str) -> None:
-        self.renderer.store.resolve(uri).unlink()
-
-    def write(self, step: int, samples: list[Sample]) -> Path:
-        return write_batch(self.config.rollouts_dir, RolloutBatch(step=step, samples=samples))
-
-    def standard_batch(self, seed: int = 0) -> list[Sample]:
-        """Two groups: a shared prompt image per group, one rollout with a second (zoomed) image."""
-        shared = [random_image(84, 56, seed), random_image(56, 84, seed + 1)]
-        samples = []
-        for g, image in enumerate(shared):
-            samples.append(self.sample([image], " a red circle", 1.0, f"g{g}-r0"))
-            samples.append(
-                self.sample([image, random_image(60, 60, seed + 10 + g)], " two blue", -1.0, f"g{g}-r1")
-            )
-        samples.append(self.sample([], " hello there", 0.5, "text-only"))
-        return samples
 
 
 @pytest.fixture

@@ -1,30 +1,40 @@
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText
 
-from rawmm.rl.trainer.checkpoint import LATEST, checkpoint_dir, latest_step, save_checkpoint
-
-
-class FakeModel:
-    def __init__(self, weights: bytes) -> None:
-        self.weights = weights
-
-    def save_pretrained(self, path: Path, safe_serialization: bool) -> None:
-        assert safe_serialization
-        (path / "model.safetensors").write_bytes(self.weights)
-        (path / "config.json").write_text('{"trained": true}')
+from rawmm.rl.trainer.checkpoint import (
+    LATEST,
+    TRAIN_STATE,
+    checkpoint_dir,
+    latest_step,
+    save_checkpoint,
+    train_state_dir,
+)
+from rawmm.rl.trainer.train_state import MissingTrainState, load_train_state
 
 
 @pytest.fixture
-def base(tmp_path: Path) -> Path:
+def base(tiny_qwen2_vl: Path, tmp_path: Path) -> Path:
+    """The tiny checkpoint plus a weights index and a chat template, as a hub release has them."""
     base = tmp_path / "base"
     base.mkdir()
-    (base / "model.safetensors").write_bytes(b"base weights")
+    for source in tiny_qwen2_vl.iterdir():
+        (base / source.name).write_bytes(source.read_bytes())
     (base / "model.safetensors.index.json").write_text("{}")
-    (base / "config.json").write_text('{"trained": false}')
-    (base / "tokenizer.json").write_text('{"tok": 1}')
     (base / "chat_template.jinja").write_text("{{ messages }}")
     return base
+
+
+def trained(base: Path, scale: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The base model after one AdamW step on `scale * sum(params)`: moments and weights differ from 0."""
+    model = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    (scale * sum(p.sum() for p in model.parameters())).backward()
+    optimizer.step()
+    return model, optimizer
 
 
 def test_no_checkpoint_means_step_zero(tmp_path):
@@ -33,29 +43,55 @@ def test_no_checkpoint_means_step_zero(tmp_path):
 
 def test_save_writes_a_complete_dir_then_latest(base, tmp_path):
     root = tmp_path / "checkpoints"
-    saved = save_checkpoint(FakeModel(b"step 1"), base, root, 1)
+    model, optimizer = trained(base, 1.0)
+    saved = save_checkpoint(model, optimizer, base, root, 1, is_main=True)
     assert saved == checkpoint_dir(root, 1) == root / "step_1"
-    assert sorted(p.name for p in saved.iterdir()) == [
-        "chat_template.jinja",
-        "config.json",
-        "model.safetensors",
-        "tokenizer.json",
-    ]
-    assert (saved / "model.safetensors").read_bytes() == b"step 1"  # trained, not the base weights
-    assert (saved / "config.json").read_text() == '{"trained": true}'
-    assert (saved / "tokenizer.json").read_text() == '{"tok": 1}'
+    names = {p.name for p in saved.iterdir()}
+    assert {"chat_template.jinja", "tokenizer.json", "config.json", "model.safetensors", TRAIN_STATE} <= names
+    assert "model.safetensors.index.json" not in names  # the base's weights files are not copied
+    assert (saved / "tokenizer.json").read_bytes() == (base / "tokenizer.json").read_bytes()
+    before, after = load_file(base / "model.safetensors"), load_file(saved / "model.safetensors")
+    assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
     assert latest_step(root) == 1 and (root / LATEST).read_text() == "1\n"
     assert [p.name for p in root.iterdir() if p.name.endswith(".tmp")] == []
 
 
+def test_train_state_restores_weights_optimizer_and_step(base, tmp_path):
+    root = tmp_path / "checkpoints"
+    model, optimizer = trained(base, 1.0)
+    save_checkpoint(model, optimizer, base, root, 3, is_main=True)
+    fresh, fresh_optimizer = trained(base, -2.0)  # other weights, other moments
+    assert load_train_state(fresh, fresh_optimizer, train_state_dir(root, 3)) == 3
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    want, got = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
+    assert want.keys() == got.keys()
+    for index, state in want.items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[index][key], state[key]), (index, key)
+
+
+def test_only_the_newest_checkpoint_keeps_the_train_state(base, tmp_path):
+    root = tmp_path / "checkpoints"
+    model, optimizer = trained(base, 1.0)
+    save_checkpoint(model, optimizer, base, root, 1, is_main=True)
+    save_checkpoint(model, optimizer, base, root, 2, is_main=True)
+    assert train_state_dir(root, 2).is_dir() and not train_state_dir(root, 1).exists()
+    assert (checkpoint_dir(root, 1) / "model.safetensors").is_file()  # the engines' weights stay
+    with pytest.raises(MissingTrainState, match="no trainer state"):
+        load_train_state(model, optimizer, train_state_dir(root, 1))
+
+
 def test_leftover_staging_and_rerun_step_are_replaced(base, tmp_path):
     root = tmp_path / "checkpoints"
-    save_checkpoint(FakeModel(b"first try"), base, root, 2)
+    model, optimizer = trained(base, 1.0)
+    save_checkpoint(model, optimizer, base, root, 2, is_main=True)
+    (root / "step_2" / "stale").write_text("from the first try")
     (root / "step_3.tmp").mkdir()
     (root / "step_3.tmp" / "partial").write_text("crashed mid-write")
-    save_checkpoint(FakeModel(b"second try"), base, root, 2)
-    save_checkpoint(FakeModel(b"three"), base, root, 3)
-    assert (root / "step_2" / "model.safetensors").read_bytes() == b"second try"
+    save_checkpoint(model, optimizer, base, root, 2, is_main=True)
+    save_checkpoint(model, optimizer, base, root, 3, is_main=True)
+    assert not (root / "step_2" / "stale").exists()
     assert not (root / "step_3" / "partial").exists() and not (root / "step_3.tmp").exists()
     assert latest_step(root) == 3
 

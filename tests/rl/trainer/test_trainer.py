@@ -91,18 +91,23 @@ def test_missing_image_under_error_stops_with_step_and_uri(rollouts):
     assert latest_step(rollouts.config.checkpoints_dir) == 0  # nothing was published
 
 
-def test_resume_continues_after_the_latest_checkpoint(rollouts):
-    samples = rollouts.standard_batch()
-    rollouts.write(1, samples)
-    Trainer(rollouts.config, init_distributed()).run(1, batch_timeout=5)
-    resumed = Trainer(rollouts.config, init_distributed())
+def test_resume_continues_adamw_exactly_as_without_a_stop(rollouts, tmp_path):
+    rollouts.write(1, rollouts.standard_batch())
+    rollouts.write(2, rollouts.standard_batch(seed=3))
+    config = rollouts.config
+    no_stop = Trainer(config, init_distributed()).run(2, batch_timeout=5)
+    config.checkpoints_dir.rename(tmp_path / "no-stop")
+
+    Trainer(config, init_distributed()).run(1, batch_timeout=5)
+    resumed = Trainer(config, init_distributed())  # a new process would build exactly this
     assert resumed.step == 1
-    saved = load_file(checkpoint_dir(rollouts.config.checkpoints_dir, 1) / "model.safetensors")
-    name, tensor = next(iter(saved.items()))
-    torch.testing.assert_close(dict(resumed.model.named_parameters())[name].detach(), tensor)
-    rollouts.write(2, samples)
-    assert [r.step for r in resumed.run(2, batch_timeout=5)] == [2]
-    assert latest_step(rollouts.config.checkpoints_dir) == 2
+    [second] = resumed.run(2, batch_timeout=5)
+    assert (second.step, second.loss, second.grad_norm) == (2, no_stop[1].loss, no_stop[1].grad_norm)
+    want = load_file(checkpoint_dir(tmp_path / "no-stop", 2) / "model.safetensors")
+    got = load_file(checkpoint_dir(config.checkpoints_dir, 2) / "model.safetensors")
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    assert latest_step(config.checkpoints_dir) == 2
 
 
 def test_wait_for_batch_times_out_and_checks_the_step(rollouts):

@@ -2,9 +2,11 @@
 
 Each checkpoint is a complete `from_pretrained` directory, so an engine can load it as it loads the
 base model: the base checkpoint's own tokenizer, processor, chat template (and remote code) files,
-copied byte for byte, plus the trained weights as safetensors and the model config. It is written as
-`step_<N>.tmp/` and renamed into place, and `latest` (the newest step, as text) is replaced
-atomically after it, so a reader that trusts `latest` never sees a partial checkpoint.
+copied byte for byte, plus the trained weights as safetensors (gathered on rank 0) and the model
+config. Next to them, `trainer_state/` holds what a resume needs (`rawmm.rl.trainer.train_state`);
+only the newest checkpoint keeps it, since nothing resumes from an older one. The checkpoint is
+written as `step_<N>.tmp/` and renamed into place, and `latest` (the newest step, as text) is
+replaced atomically after it, so a reader that trusts `latest` never sees a partial checkpoint.
 """
 
 from __future__ import annotations
@@ -14,14 +16,24 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
 from rawmm.rl.files import write_atomically
+from rawmm.rl.trainer.train_state import save_train_state
 
 LATEST = "latest"
+TRAIN_STATE = "trainer_state"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 def checkpoint_dir(checkpoints_dir: Path, step: int) -> Path:
     return Path(checkpoints_dir) / f"step_{step}"
+
+
+def train_state_dir(checkpoints_dir: Path, step: int) -> Path:
+    return checkpoint_dir(checkpoints_dir, step) / TRAIN_STATE
 
 
 def latest_step(checkpoints_dir: Path) -> int:
@@ -49,21 +61,45 @@ def resolve_model_dir(path: str) -> Path:
     return Path(snapshot_download(path, local_files_only=True))
 
 
-def save_checkpoint(model: Any, base_dir: Path, checkpoints_dir: Path, step: int) -> Path:
-    """Write `step_<step>/` (the base checkpoint's non-weight files, then `model` as safetensors),
-    then point `latest` at it."""
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save_checkpoint(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    base_dir: Path,
+    checkpoints_dir: Path,
+    step: int,
+    *,
+    is_main: bool,
+) -> Path:
+    """Write `step_<step>/` and point `latest` at it; every rank calls this (the gathers are collective).
+
+    Rank 0 writes the base checkpoint's non-weight files and the gathered weights, every rank its part
+    of the trainer state; the directory is published once all of it is on disk.
+    """
     checkpoints_dir = Path(checkpoints_dir)
-    checkpoints_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir(checkpoints_dir, step)
     staging = final.with_name(final.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)  # left over from a crash mid-write
-    staging.mkdir()
-    for source in Path(base_dir).iterdir():
-        if source.is_file() and not _is_weights(source.name):
-            shutil.copy2(source, staging / source.name)
-    model.save_pretrained(staging, safe_serialization=True)
-    if final.exists():  # a re-run of this step (e.g. after a restart): the new weights win
-        shutil.rmtree(final)
-    os.replace(staging, final)
-    write_atomically(checkpoints_dir / LATEST, f"{step}\n".encode())
+    if is_main:
+        shutil.rmtree(staging, ignore_errors=True)  # left over from a crash mid-write
+        staging.mkdir(parents=True)
+        for source in Path(base_dir).iterdir():
+            if source.is_file() and not _is_weights(source.name):
+                shutil.copy2(source, staging / source.name)
+    _barrier()  # no rank writes its state into a staging directory that rank 0 is still clearing
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    save_train_state(model, optimizer, step, staging / TRAIN_STATE)
+    if is_main:
+        model.save_pretrained(staging, state_dict=weights, safe_serialization=True)
+        if final.exists():  # a re-run of this step (e.g. after a restart): the new weights win
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        write_atomically(checkpoints_dir / LATEST, f"{step}\n".encode())
+        for older in checkpoints_dir.glob(f"step_*/{TRAIN_STATE}"):
+            if older.parent != final:
+                shutil.rmtree(older)
+    _barrier()  # no rank runs ahead of a checkpoint it may be asked about
     return final

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from rawmm import metrics as shared_metrics
 from rawmm.config import RunConfig
@@ -19,9 +20,12 @@ from rawmm.rl.materializer import MaterializedMicroBatch, RawImageMaterializer
 from rawmm.rl.packing import pack_samples
 from rawmm.rl.samples import RolloutBatch, truncate_sample
 from rawmm.rl.trainer import metrics
-from rawmm.rl.trainer.checkpoint import checkpoint_dir, latest_step, resolve_model_dir, save_checkpoint
+from rawmm.rl.trainer.checkpoint import latest_step, resolve_model_dir, save_checkpoint, train_state_dir
 from rawmm.rl.trainer.distributed import DistContext, all_reduce_gradients, all_reduce_sum
+from rawmm.rl.trainer.fsdp import shard_model
+from rawmm.rl.trainer.lockstep import Slot, append_filler, rank_slots
 from rawmm.rl.trainer.loss import policy_gradient_loss
+from rawmm.rl.trainer.train_state import load_train_state
 
 
 class BatchTimeout(TimeoutError):
@@ -64,7 +68,8 @@ def wait_for_batch(
 
 
 class Trainer:
-    """Trains one model on the run's rollout batches, data-parallel over `dist`."""
+    """Trains one model on the run's rollout batches over `dist`: data-parallel (`ddp`: whole model and
+    optimizer on every rank, gradients all-reduced) or sharded (`fsdp`, see `rawmm.rl.trainer.fsdp`)."""
 
     def __init__(self, config: RunConfig, dist: DistContext) -> None:
         from transformers import AutoModelForImageTextToText
@@ -78,17 +83,27 @@ class Trainer:
             trust_remote_code=config.model.trust_remote_code,
         )
         self.base_dir = resolve_model_dir(config.model.path)
-        self.step = latest_step(config.checkpoints_dir)
-        # Resume from the newest checkpoint; the optimizer state starts fresh.
-        weights = checkpoint_dir(config.checkpoints_dir, self.step) if self.step else self.base_dir
+        cfg = config.trainer
+        self.sharded = cfg.parallelism == "fsdp" and dist.world_size > 1
         self.model = AutoModelForImageTextToText.from_pretrained(
-            weights, dtype=torch.float32, trust_remote_code=config.model.trust_remote_code
+            self.base_dir, dtype=torch.float32, trust_remote_code=config.model.trust_remote_code
         ).to(dist.device)
         self.model.train()
+        if cfg.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.sharded:
+            shard_model(self.model, dist.device)
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.parameters, lr=config.trainer.learning_rate, weight_decay=config.trainer.weight_decay
+            self.parameters, lr=cfg.learning_rate, weight_decay=cfg.weight_decay
         )
+        # Resume from the newest checkpoint: its weights, AdamW moments and step, as the run left them.
+        self.step = latest_step(config.checkpoints_dir)
+        if self.step:
+            state = train_state_dir(config.checkpoints_dir, self.step)
+            resumed = load_train_state(self.model, self.optimizer, state)
+            if resumed != self.step:
+                raise ValueError(f"{state} holds the state of step {resumed}, expected {self.step}")
         self.materializer = RawImageMaterializer(
             self.loaded, roots=[config.offload_dir], missing_image_policy=config.trainer.missing_image_policy
         )
@@ -102,10 +117,10 @@ class Trainer:
         cfg = self.config.trainer
         samples = [truncate_sample(s, cfg.seq_len) for s in batch.samples]
         micro_batches = pack_samples(samples, cfg.micro_batch_tokens)
-        mine = micro_batches[self.dist.rank :: self.dist.world_size]
+        slots = rank_slots(micro_batches, self.dist.rank, self.dist.world_size, lockstep=self.sharded)
 
         self.materializer.begin_step(batch.step)
-        materialized = [self.materializer.materialize(mb) for mb in mine]
+        materialized = [self._materialize(slot) for slot in slots]
         stats = self.materializer.stats
         # Zero-loss samples drop out of the normalizer, so sum loss tokens only after materializing.
         local = torch.tensor(
@@ -125,9 +140,12 @@ class Trainer:
         loss_sum = torch.zeros(3, dtype=torch.float64, device=self.dist.device)
         for m in materialized:
             loss_sum += self._backward(m, step_tokens)
-        all_reduce_gradients(self.parameters)
+        if not self.sharded:  # FSDP reduce-scattered each unit's gradients during backward
+            all_reduce_gradients(self.parameters)
         all_reduce_sum(loss_sum)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, cfg.max_grad_norm)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
 
         saved = self._checkpoint(batch.step)
@@ -153,6 +171,13 @@ class Trainer:
             _export(result)
         return result
 
+    def _materialize(self, slot: Slot) -> MaterializedMicroBatch:
+        real = self.materializer.materialize(slot.batch) if slot.batch is not None else None
+        if slot.filler is None:
+            assert real is not None  # a slot without filler is a micro-batch of the step
+            return real
+        return append_filler(real, slot.filler, self.materializer._stand_in_inputs)
+
     def _backward(self, m: MaterializedMicroBatch, step_tokens: int) -> torch.Tensor:
         device = self.dist.device
         new_logprobs = forward_logprobs(
@@ -175,12 +200,14 @@ class Trainer:
         )
 
     def _checkpoint(self, step: int) -> Path:
-        target = checkpoint_dir(self.config.checkpoints_dir, step)
-        if self.dist.is_main:
-            save_checkpoint(self.model, self.base_dir, self.config.checkpoints_dir, step)
-        if self.dist.world_size > 1:
-            torch.distributed.barrier()  # no rank runs ahead of a checkpoint it may be asked about
-        return target
+        return save_checkpoint(
+            self.model,
+            self.optimizer,
+            self.base_dir,
+            self.config.checkpoints_dir,
+            step,
+            is_main=self.dist.is_main,
+        )
 
     def run(
         self,

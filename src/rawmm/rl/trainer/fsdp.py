@@ -1,0 +1,45 @@
+"""FSDP2 sharding of the policy: each decoder layer, each vision block and the vision tower are their own
+`fully_shard` unit, the root holds the rest (embeddings, final norm, head).
+
+A unit's parameters, gradients and AdamW state live 1/world on each rank; a unit is all-gathered
+right before its forward (and again in backward) and its gradients are reduce-scattered after its
+backward. Gradients are *summed* over ranks, not averaged: the loss is already normalized by the
+step's loss tokens across all ranks (see `rawmm.rl.trainer.distributed`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def mixed_precision_policy(device: torch.device) -> MixedPrecisionPolicy:
+    """On GPU: bf16 forward/backward on fp32 master weights, gradients reduced in fp32. On CPU all fp32
+    (bf16 matmuls are slow there, and fp32 keeps FSDP comparable with one process)."""
+    if device.type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that become FSDP units, innermost first, root last: the blocks transformers marks as
+    never-split (decoder layers, vision blocks), then the vision tower, then the model."""
+    block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in block_classes]
+    if not blocks:
+        raise TypeError(f"{type(model).__name__} names no decoder layers (_no_split_modules) to shard")
+    vision = model.get_encoder(modality="image") if hasattr(model, "get_encoder") else model
+    towers = [vision] if vision is not model else []
+    return [*blocks, *towers, model]
+
+
+def shard_model(model: torch.nn.Module, device: torch.device) -> None:
+    """Apply FSDP2 to `model` in place (every rank of the default process group takes part)."""
+    policy = mixed_precision_policy(device)
+    for unit in shard_units(model):
+        fully_shard(unit, mp_policy=policy)
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            # Sum, don't average; and as plain SUM collectives (gloo has no PREMUL_SUM).
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
