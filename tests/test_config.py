@@ -182,3 +182,13 @@ def test_assignment_is_validated() -> None:
     config = RunConfig.from_mapping(MINIMAL)
     with pytest.raises(ValueError, match="invalid byte size"):
         config.inference.materialize_cache_size = "lots"
+
+
+def test_a_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("name: t\nmodel:\n  path: [unclosed\n  preset: qwen2_vl\n")
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_yaml(path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"{path}:4:9: not valid YAML: "), message

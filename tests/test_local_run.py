@@ -128,6 +128,48 @@ def test_bad_config_is_one_clear_error_and_starts_nothing(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"orchestrator": {"environment": {"name": "no-such-env"}}},
+            "orchestrator.environment: unknown environment 'no-such-env'",
+        ),
+        (
+            {"orchestrator": {"environment": {"name": "no_pkg.mod:Cls"}}},
+            "orchestrator.environment: environment 'no_pkg.mod:Cls': cannot import 'no_pkg.mod'",
+        ),
+        (
+            {"orchestrator": {"environment": {"name": "shapes", "args": {"no_such_arg": 1}}}},
+            "orchestrator.environment: environment 'shapes': bad arguments",
+        ),
+        (
+            {"model": {"path": "/nonexistent", "preset": "qwen2_vl"}},
+            "model.path /nonexistent: no such directory",
+        ),
+    ],
+)
+def test_an_unusable_environment_or_model_path_stops_the_run_before_anything_is_written(
+    tmp_path, capsys, overrides, message
+):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({**BASE, **overrides}))
+    out = tmp_path / "out"
+    assert main(["run", str(path), "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rawmm run: error: {message}") and err.count("\n") == 1, err
+    assert not out.exists()  # no output dir, no tiny model, no process
+
+
+def test_a_yaml_syntax_error_stops_the_run_in_one_line(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: t\nmodel: {path: tiny:qwen2_vl\n")
+    assert main(["run", str(path), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rawmm run: error: {path}:3:1: not valid YAML: ") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
 # --- the live view: every number on an 80-column console, nothing wrapped or cut ------------------------
 
 
@@ -216,8 +258,10 @@ def test_progress_and_step_lines_fit_80_columns_with_every_number(tmp_path):
 
 FAKE_ENGINE = textwrap.dedent(
     """
-    import http.server, json, subprocess, sys
+    import http.server, json, os, subprocess, sys
     port, pid_file = int(sys.argv[1]), sys.argv[2]
+    if "FAKE_TOKEN_DIR" in os.environ:
+        open(os.path.join(os.environ["FAKE_TOKEN_DIR"], "engine"), "w").write(os.environ.get("RAWMM_WEIGHTS_TOKEN", ""))
     helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     open(pid_file, "w").write(str(helper.pid))
     METRICS = (
@@ -242,8 +286,10 @@ FAKE_ENGINE = textwrap.dedent(
 
 FAKE_STEPS = textwrap.dedent(
     """
-    import json, sys, time
+    import json, os, sys, time
     event, steps, then = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    if "FAKE_TOKEN_DIR" in os.environ:
+        open(os.path.join(os.environ["FAKE_TOKEN_DIR"], event), "w").write(os.environ.get("RAWMM_WEIGHTS_TOKEN", ""))
     for step in range(1, steps + 1):
         line = {"event": event, "step": step, "reward_mean": 0.25 * step, "loss": 0.5 / step, "grad_norm": 2.0 * step,
                 "rollouts": 8, "samples": 24, "images_sent": 48, "dropped": {}, "tokens": 100,
@@ -312,6 +358,29 @@ def test_completed_run_writes_a_summary_of_steps_and_final_engine_metrics(fake_r
     assert RunConfig.from_yaml(run.plan.config_path) == run.plan.config
 
 
+def test_local_engines_and_the_orchestrator_share_a_fresh_weights_token(fake_run, tmp_path, monkeypatch):
+    seen = tmp_path / "tokens"
+    seen.mkdir()
+    monkeypatch.setenv("FAKE_TOKEN_DIR", str(seen))
+    monkeypatch.setenv("RAWMM_WEIGHTS_TOKEN", "the caller's own")
+    names = ("engine", "orchestrator_step", "trainer_step")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    run = fake_run(trainer_then="hang", orchestrator_then="hang")
+    real_argv = LocalRun(run.plan).engines[0].argv  # fake_run swaps the command lines out
+    assert real_argv[real_argv.index("--weights-root") + 1] == str(run.plan.config.checkpoints_dir)
+    waiter = threading.Thread(target=lambda: _interrupt_when(lambda: all((seen / n).exists() for n in names)))
+    waiter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run.run()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    waiter.join()
+    tokens = {name: (seen / name).read_text() for name in names}
+    assert tokens["engine"] == tokens["orchestrator_step"] and len(tokens["engine"]) >= 40
+    assert tokens["trainer_step"] == "the caller's own"  # the trainer gets no new token (it needs none)
+
+
 def test_a_failing_trainer_stops_everything_and_says_why(fake_run):
     run = fake_run(trainer_then="3", orchestrator_then="hang")
     with pytest.raises(LocalRunFailed, match=r"(?s)trainer exited with code 3.*fake process ends with 3"):
@@ -349,6 +418,13 @@ def test_ctrl_c_stops_every_process_and_records_the_interruption(fake_run):
         signal.signal(signal.SIGINT, previous)
     interrupter.join(timeout=10)
     assert json.loads(run.plan.summary_path.read_text())["status"] == "interrupted"
+
+
+def _interrupt_when(condition) -> None:
+    deadline = time.monotonic() + 60
+    while not condition() and time.monotonic() < deadline and not threading.Event().wait(0.02):
+        pass
+    _thread.interrupt_main()
 
 
 def _interrupt_after_first_step(run: LocalRun) -> None:

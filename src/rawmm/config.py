@@ -187,7 +187,7 @@ class RunConfig(StrictModel):
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+            raise ConfigError(_yaml_error_line(path, exc)) from None
         return cls.from_mapping(data, source=str(path))
 
     def to_yaml(self, path: str | Path | None = None) -> str:
@@ -210,3 +210,11 @@ def format_validation_error(exc: ValidationError, *, source: str, what: str = "r
             message = "required field is missing"
         lines.append(f"{field}: {message}")
     return f"{source}: invalid {what}:\n  " + "\n  ".join(lines)
+def _yaml_error_line(path: Path, exc: yaml.YAMLError) -> str:
+    """``file:line:column: problem`` (1-based, as editors count), one line."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{where}: not valid YAML: {problem}"
+
+

@@ -58,6 +58,12 @@ ENGINE_GENERATED_TOKENS = Counter(
 ENGINE_WEIGHTS_VERSION = Gauge(
     "rawmm_engine_weights_version", "Version of the weights the engine serves (0 = as loaded)", registry=None
 )
+WEIGHTS_REFUSED = Counter(
+    "rawmm_weights_refused",
+    "Weight-update requests refused: no token or weights root configured, bad token, path outside the root",
+    ["reason"],
+    registry=None,
+)
 
 _ENGINE_METRICS = (
     CACHE_HITS,
@@ -70,6 +76,7 @@ _ENGINE_METRICS = (
     ENGINE_REQUESTS,
     ENGINE_GENERATED_TOKENS,
     ENGINE_WEIGHTS_VERSION,
+    WEIGHTS_REFUSED,
 )
 _engine_registered = False
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from serve_harness import MAX_IMAGE_PIXELS, Server, running_server
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +23,12 @@ def kimi_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     }
     (path / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": media_proc_cfg}))
     return path
+
+
+@pytest.fixture(scope="session")
+def server(tiny_qwen2_vl: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One `rawmm serve --engine transformers` of the tiny Qwen2-VL for the HTTP and fuzz tests."""
+    serve_args = ["--engine", "transformers", "--materialize-cache-size", "256Mi",
+                  "--max-image-pixels", str(MAX_IMAGE_PIXELS)]  # fmt: skip
+    with running_server(tiny_qwen2_vl, tmp_path_factory.mktemp("serve"), serve_args) as running:
+        yield running

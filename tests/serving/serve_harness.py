@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -20,6 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rawmm.contract import OffloadStore, get_family, render_chat
 
+WEIGHTS_TOKEN = "test-weights-token"  # every test server's $RAWMM_WEIGHTS_TOKEN
+MAX_IMAGE_PIXELS = 250_000  # the transformers test server's decompression-bomb limit (conftest's `server`)
+
 
 @dataclass
 class Server:
@@ -28,10 +32,14 @@ class Server:
     tokenizer: Any
     config: Any
     log: Path
+    weights_root: Path
 
-    def post(self, route: str, body: Any) -> httpx.Response:
+    def post(self, route: str, body: Any, headers: dict[str, str] | None = None) -> httpx.Response:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        return httpx.post(f"{self.url}{route}", content=content, timeout=120.0)
+        return httpx.post(f"{self.url}{route}", content=content, headers=headers, timeout=120.0)
+
+    def load_weights(self, path: Path | str, token: str = WEIGHTS_TOKEN) -> httpx.Response:
+        return self.post("/v1/rawmm/weights", {"path": str(path)}, {"Authorization": f"Bearer {token}"})
 
     def metric(self, name: str, **labels: str) -> float:
         text = httpx.get(f"{self.url}/metrics", timeout=30.0).text
@@ -76,18 +84,24 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path, timeout_
 def running_server(
     model: Path, work: Path, serve_args: Sequence[str], *, timeout_s: float = 240.0
 ) -> Iterator[Server]:
-    """``rawmm serve --model model`` with an offload store under ``work``; terminated on exit, whatever happens."""
+    """``rawmm serve --model model`` with an offload store under ``work``; terminated on exit, whatever happens.
+
+    Weight updates are open to ``WEIGHTS_TOKEN`` from ``work/checkpoints`` (``Server.weights_root``)."""
     from transformers import AutoTokenizer
 
     store = OffloadStore(work / "offload")
+    weights_root = work / "checkpoints"
+    weights_root.mkdir(exist_ok=True)
     port = free_port()
     log = work / "serve.log"
     command = [
         sys.executable, "-m", "rawmm.cli", "serve", "--model", str(model),
-        "--host", "127.0.0.1", "--port", str(port), "--offload-root", str(store.root), *serve_args,
+        "--host", "127.0.0.1", "--port", str(port), "--offload-root", str(store.root),
+        "--weights-root", str(weights_root), *serve_args,
     ]  # fmt: skip
+    env = {**os.environ, "RAWMM_WEIGHTS_TOKEN": WEIGHTS_TOKEN}
     with open(log, "wb") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, process, log, timeout_s)
@@ -97,6 +111,7 @@ def running_server(
             tokenizer=AutoTokenizer.from_pretrained(model),
             config=get_family("qwen_vl").config_from_pretrained(model),
             log=log,
+            weights_root=weights_root,
         )
     finally:
         process.terminate()

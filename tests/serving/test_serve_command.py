@@ -53,3 +53,54 @@ def test_a_model_without_a_supported_processor_is_a_one_line_error(
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     assert main(["serve", "--model", str(tmp_path), "--offload-root", str(tmp_path)]) == 2
     assert "not supported" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("/missing/checkpoint", "no such directory"),
+        ("./rel", "no such directory"),
+        ("a/b/c", "no such directory"),
+    ],
+)
+def test_a_missing_model_path_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str, message: str
+) -> None:
+    assert main(["serve", "--model", model, "--offload-root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"rawmm serve: error: --model {model}: {message}"
+
+
+def test_out_of_range_ports_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for port in ("99999", "0", "-1", "http"):
+        with pytest.raises(SystemExit) as info:
+            main(["serve", "--model", str(tmp_path), "--offload-root", str(tmp_path), "--port", port])
+        assert info.value.code == 2
+        assert "--port" in capsys.readouterr().err
+
+
+def test_a_busy_port_is_one_line_and_a_non_zero_exit_within_a_second(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2_vl"}')
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "rawmm.cli", "serve", "--model", str(tmp_path), "--offload-root", str(tmp_path),
+             "--port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        elapsed = time.monotonic() - started
+    assert done.returncode == 2
+    assert (
+        done.stderr.strip()
+        == f"rawmm serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
+    # The interpreter and the CLI start in this time too; the model is never loaded.
+    assert elapsed < 5.0, elapsed

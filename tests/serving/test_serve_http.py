@@ -1,37 +1,24 @@
 """`rawmm serve --engine transformers` as a real process on 127.0.0.1, serving the tiny Qwen2-VL checkpoint.
 
-One server for the module (start-up is the expensive part); every test reads counter deltas, never
-absolute values, so the tests do not depend on each other's order.
+One server for the session (``server`` in conftest, shared with the fuzz tests: start-up is the expensive
+part); every test reads counter deltas, never absolute values, so the tests do not depend on each other's order.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from serve_harness import Server, generate, picture, running_server, user
+from serve_harness import WEIGHTS_TOKEN, Server, generate, picture, user
 
 from rawmm.contract import RawImageDescriptor, encode_ref, get_family, parse_ref
 
 pytestmark = pytest.mark.slow
-
-MAX_IMAGE_PIXELS = 250_000  # the server's decompression-bomb limit in these tests
-
-
-@pytest.fixture(scope="module")
-def server(tiny_qwen2_vl: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    serve_args = ["--engine", "transformers", "--materialize-cache-size", "256Mi",
-                  "--max-image-pixels", str(MAX_IMAGE_PIXELS)]  # fmt: skip
-    with running_server(tiny_qwen2_vl, tmp_path_factory.mktemp("serve"), serve_args) as running:
-        yield running
 
 
 def test_a_multi_image_prompt_generates(server: Server) -> None:
@@ -168,76 +155,25 @@ def test_each_bad_ref_is_a_400_with_its_reason_and_is_counted(server: Server, re
     assert server.metric("rawmm_invalid_mm_image_ref_total", reason=reason) - before == 1
 
 
-def test_impossible_prompts_are_400_invalid_request(server: Server) -> None:
-    for body in (
-        {"prompt_token_ids": [1, 10**9]},
-        {"prompt_token_ids": [1] * 5000},
-        {"prompt_token_ids": [1], "sampling": {"temperature": -1}},
-        {"prompt_token_ids": [1], "unknown": 1},
-        b"{not json",
+def test_impossible_prompts_and_bodies_are_4xx_invalid_request_with_a_reason(server: Server) -> None:
+    for body, reason in (
+        ({"prompt_token_ids": [1, 10**9]}, "token_out_of_vocabulary"),
+        ({"prompt_token_ids": [1] * 5000}, "prompt_too_long"),
+        ({"prompt_token_ids": [1], "sampling": {"temperature": -1}}, "invalid_body"),
+        ({"prompt_token_ids": [1], "unknown": 1}, "invalid_body"),
+        (b"{not json", "invalid_json"),
+        (b"[" * 20 + b"0" * (17 * 1024 * 1024), "body_too_large"),
     ):
         response = server.post("/v1/rawmm/generate", body)
-        assert response.status_code == 400, (body, response.text)
-        assert response.json()["error"]["type"] == "invalid_request"
-
-
-# --- fuzzing: nothing a client sends is a 500 --------------------------------------------------------------
-
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
-    ),
-    max_leaves=12,
-)
-# Token budgets that are either tiny or far too large, so a fuzzed body never runs a long generation.
-max_tokens = st.one_of(st.integers(max_value=3), st.integers(min_value=5000), json_values)
-
-
-def mutate(value: Any, data: st.DataObject) -> Any:
-    """``value`` with one randomly chosen leaf (or subtree) replaced by arbitrary JSON."""
-    if isinstance(value, dict) and value and data.draw(st.booleans()):
-        key = data.draw(st.sampled_from(sorted(value)))
-        return {**value, key: mutate(value[key], data)}
-    if isinstance(value, list) and value and data.draw(st.booleans()):
-        index = data.draw(st.integers(0, len(value) - 1))
-        return [*value[:index], mutate(value[index], data), *value[index + 1 :]]
-    return data.draw(json_values)
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_a_fuzzed_body_is_never_a_server_error(server: Server, data: st.DataObject) -> None:
-    token_ids, features = fuzz_base(server)
-    kind = data.draw(st.sampled_from(["anything", "mutated features", "mutated body", "bytes"]))
-    if kind == "anything":
-        body: Any = data.draw(json_values)
-    elif kind == "bytes":
-        body = data.draw(st.binary(max_size=64))
-    else:
-        body = {
-            "prompt_token_ids": token_ids,
-            "features": mutate(features, data) if kind == "mutated features" else features,
-            "sampling": data.draw(
-                st.fixed_dictionaries({}, optional={"max_tokens": max_tokens, "seed": json_values})
-            ),
-        }
-        if kind == "mutated body":
-            body = mutate(body, data)
-            if isinstance(body, dict) and isinstance(body.get("sampling"), dict):
-                body["sampling"]["max_tokens"] = data.draw(max_tokens)
-    response = server.post("/v1/rawmm/generate", body)
-    assert response.status_code in (200, 400), (body, response.text)
-
-
-_fuzz_base: dict[str, tuple[list[int], dict[str, Any]]] = {}
-
-
-def fuzz_base(server: Server) -> tuple[list[int], dict[str, Any]]:
-    if server.url not in _fuzz_base:
-        _fuzz_base[server.url] = server.render([user(picture(70), "fuzz", picture(71, 40, 60))])
-    token_ids, features = _fuzz_base[server.url]
-    return list(token_ids), json.loads(json.dumps(features))
+        assert response.status_code == (413 if reason == "body_too_large" else 400), (body, response.text)
+        error = response.json()["error"]
+        assert (error["type"], error["reason"]) == ("invalid_request", reason) and error["message"]
+    for response, status, reason in (
+        (httpx.get(f"{server.url}/v1/nope"), 404, "not_found"),
+        (httpx.get(f"{server.url}/v1/rawmm/generate"), 405, "method_not_allowed"),
+    ):
+        assert response.status_code == status
+        assert response.json()["error"]["reason"] == reason
 
 
 # --- weights ------------------------------------------------------------------------------------------------
@@ -248,7 +184,7 @@ def test_weight_updates_advance_the_version_and_each_response_reports_its_weight
 ) -> None:
     from rawmm.tiny import build_tiny_model
 
-    other = build_tiny_model("qwen2_vl", tmp_path / "seed1", seed=1)
+    other = build_tiny_model("qwen2_vl", server.weights_root / "seed1", seed=1)
     token_ids, features = server.render([user(picture(80), "again")])
     version = httpx.get(f"{server.url}/health").json()["weights_version"]
 
@@ -260,7 +196,7 @@ def test_weight_updates_advance_the_version_and_each_response_reports_its_weight
     before = sample()
     with ThreadPoolExecutor(4) as pool:
         during = [pool.submit(sample) for _ in range(3)]
-        update = server.post("/v1/rawmm/weights", {"path": str(other)})
+        update = server.load_weights(other)
         results = [future.result() for future in during]
     assert update.status_code == 200, update.text
     assert update.json() == {"weights_version": version + 1}
@@ -272,6 +208,43 @@ def test_weight_updates_advance_the_version_and_each_response_reports_its_weight
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "weights_version": version + 1}
     assert server.metric("rawmm_engine_weights_version") == version + 1
 
-    missing = server.post("/v1/rawmm/weights", {"path": str(tmp_path / "nope")})
-    assert missing.status_code == 400 and missing.json()["error"]["type"] == "invalid_request"
+    missing = server.load_weights(server.weights_root / "nope")
+    assert missing.status_code == 400, missing.text
+    assert missing.json()["error"] == {
+        "type": "invalid_request",
+        "reason": "not_a_checkpoint",
+        "message": missing.json()["error"]["message"],
+    }
     assert httpx.get(f"{server.url}/health").json()["weights_version"] == version + 1
+
+
+def test_weight_updates_need_the_token_and_a_path_inside_the_weights_root(
+    server: Server, tiny_qwen2_vl: Path
+) -> None:
+    # A real checkpoint, reachable only by escaping the root: by its own path, or by a symlink inside the root.
+    escape = server.weights_root / "escape"
+    escape.symlink_to(tiny_qwen2_vl, target_is_directory=True)
+    reasons = ("missing_token", "invalid_token", "outside_weights_root")
+    before = {reason: server.metric("rawmm_weights_refused_total", reason=reason) for reason in reasons}
+    refused = [
+        ("missing_token", server.post("/v1/rawmm/weights", {"path": str(tiny_qwen2_vl)})),
+        ("invalid_token", server.load_weights(tiny_qwen2_vl, token="guess")),
+        ("outside_weights_root", server.load_weights(tiny_qwen2_vl)),
+        ("outside_weights_root", server.load_weights(escape)),
+    ]
+    for reason, response in refused:
+        assert response.status_code == 403, response.text
+        assert (response.json()["error"]["type"], response.json()["error"]["reason"]) == (
+            "weights_refused",
+            reason,
+        )
+    after = {reason: server.metric("rawmm_weights_refused_total", reason=reason) for reason in reasons}
+    assert {reason: after[reason] - before[reason] for reason in reasons} == {
+        "missing_token": 1,
+        "invalid_token": 1,
+        "outside_weights_root": 2,
+    }
+    for path in ("relative/dir", "/" + "a" * 300, f"{server.weights_root}/x\\u0000"):
+        body = ('{"path": "' + path + '"}').encode()
+        response = server.post("/v1/rawmm/weights", body, {"Authorization": f"Bearer {WEIGHTS_TOKEN}"})
+        assert response.status_code == 400 and response.json()["error"]["reason"] == "malformed_path", path

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rawmm.cli import CliError
+from rawmm.weights_token import WEIGHTS_TOKEN_ENV
 
 if TYPE_CHECKING:
     from rawmm.materialize import LoadedProcessor
@@ -17,11 +19,40 @@ if TYPE_CHECKING:
 CACHE_SIZE_ENV = "RAWMM_MATERIALIZE_CACHE_SIZE"
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port a server can listen on (0 would pick a random one)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is outside 1-65535")
+    return port
+
+
+def claim_port(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` and listening, before anything slow runs: a busy port fails at once."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise CliError(f"--host {host}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise CliError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="checkpoint directory (or hub id) to serve")
     parser.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--port", type=port_number, default=8100, help="TCP port, 1-65535 (default 8100)")
     parser.add_argument(
         "--offload-root",
         action="append",
@@ -43,6 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="refuse images larger than this (decompression bombs)",
     )
+    parser.add_argument(
+        "--weights-root",
+        type=Path,
+        metavar="DIR",
+        help="the only directory weight updates may load from (symlinks resolved); with "
+        f"${WEIGHTS_TOKEN_ENV} set, POST /v1/rawmm/weights is open to holders of that token. "
+        "Without both, every weights request is refused (403)",
+    )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.add_argument(
         "vllm_args", nargs="*", help="after `--`: extra arguments for vLLM's server (--engine vllm only)"
@@ -62,8 +101,15 @@ def run(args: argparse.Namespace) -> int:
     for root in args.offload_root:
         if not root.is_dir():
             raise CliError(f"--offload-root {root} is not a directory")
+    if args.weights_root is not None and not args.weights_root.is_dir():
+        raise CliError(f"--weights-root {args.weights_root} is not a directory")
     if args.vllm_args and args.engine != "vllm":
         raise CliError(f"extra arguments {args.vllm_args} are for --engine vllm only")
+    _check_model(args.model)
+    # vLLM binds its own socket later; the probe still makes a busy port a one-line error within a second.
+    sock = claim_port(args.host, args.port)
+    if args.engine == "vllm":
+        sock.close()
 
     from rawmm.materialize import DEFAULT_MAX_IMAGE_PIXELS, MaterializeCache, load_processor
     from rawmm.serving.images import RequestImages
@@ -90,15 +136,25 @@ def run(args: argparse.Namespace) -> int:
         cache_bytes,
     )
     if args.engine == "vllm":
-        return _serve_vllm(args, processor, images)
-    return _serve_transformers(args, processor, images)
+        return _serve_vllm(args, images)
+    return _serve_transformers(args, processor, images, sock)
 
 
-def _serve_transformers(args: argparse.Namespace, processor: LoadedProcessor, images: RequestImages) -> int:
+def _check_model(model: str) -> None:
+    from rawmm.model_path import model_path_problem
+
+    if (problem := model_path_problem(model)) is not None:
+        raise CliError(f"--model {model}: {problem}")
+
+
+def _serve_transformers(
+    args: argparse.Namespace, processor: LoadedProcessor, images: RequestImages, sock: socket.socket
+) -> int:
     import asyncio
 
     import uvicorn
 
+    from rawmm.serving.guard import WeightsGuard
     from rawmm.serving.routes import create_app
     from rawmm.serving.transformers_engine import TransformersEngine
 
@@ -106,31 +162,40 @@ def _serve_transformers(args: argparse.Namespace, processor: LoadedProcessor, im
         engine = TransformersEngine(args.model, processor)
     except (OSError, ValueError) as exc:
         raise CliError(f"cannot load {args.model}: {exc}") from None
-    app = create_app(engine, images)
+    app = create_app(engine, images, WeightsGuard.from_env(args.weights_root))
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=False)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
+        sock.close()
         asyncio.run(engine.close())
     return 0
 
 
-def _serve_vllm(args: argparse.Namespace, processor: LoadedProcessor, images: RequestImages) -> int:
+def _serve_vllm(args: argparse.Namespace, images: RequestImages) -> int:
     import asyncio
 
+    from rawmm.materialize import load_processor
+    from rawmm.serving.guard import WeightsGuard
+    from rawmm.serving.images import RequestImages
+
     try:
-        from rawmm.serving.vllm_engine import serve_vllm
+        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+        from rawmm.serving.vllm_server import VllmArgsError, parse_vllm_args, serve_vllm
     except ImportError as exc:
-        raise CliError(
-            f"--engine vllm needs vLLM 0.33 with its GPU stack (pip install 'rawmm[inference]'): {exc}"
-        ) from None
-    asyncio.run(
-        serve_vllm(
-            model=args.model,
-            host=args.host,
-            port=args.port,
-            processor=processor,
-            images=images,
-            vllm_args=args.vllm_args,
+        raise CliError(f"--engine vllm needs vLLM 0.32 (pip install 'rawmm[inference]'): {exc}") from None
+    try:
+        vllm_args = parse_vllm_args(
+            model=args.model, host=args.host, port=args.port, vllm_args=args.vllm_args
         )
-    )
+    except VllmArgsError as exc:
+        raise CliError(str(exc)) from None
+
+    def images_for(pixels: str) -> RequestImages:
+        processor = load_processor(args.model, args.processor_backend, args.trust_remote_code, pixels=pixels)
+        return RequestImages(processor, roots=images.roots, cache=images.cache, max_pixels=images.max_pixels)
+
+    cli_env_setup()  # as `vllm serve` does: spawn (not fork) the engine-core processes
+    asyncio.run(serve_vllm(vllm_args, images_for=images_for, guard=WeightsGuard.from_env(args.weights_root)))
     return 0

@@ -92,7 +92,8 @@ def resolve_uri(uri: Any, roots: Sequence[Path]) -> Path:
         raw_path = unquote(parts.path, errors="strict")
     except UnicodeDecodeError:
         raise InvalidImageRef("malformed_ref", "file URI path is not UTF-8") from None
-    _check_path_text(raw_path)
+    if (problem := path_problem(raw_path)) is not None:
+        raise InvalidImageRef("malformed_ref", f"file URI: {problem}")
     candidate = Path(raw_path)
     if not candidate.is_absolute():
         raise InvalidImageRef("outside_offload_root", f"file URI path {raw_path[:200]!r} is not absolute")
@@ -113,18 +114,17 @@ def resolve_uri(uri: Any, roots: Sequence[Path]) -> Path:
     return real
 
 
-def _check_path_text(path: str) -> None:
-    """Refuse, before any system call, a path no file system could hold: the OS would raise instead."""
+def path_problem(path: str) -> str | None:
+    """Why no file system could hold ``path`` (the OS would raise instead of answering), or None."""
     if "\x00" in path:
-        raise InvalidImageRef("malformed_ref", "file URI contains a NUL byte")
+        return "the path contains a NUL byte"
     try:
         encoded = os.fsencode(path)
     except UnicodeEncodeError:  # a lone surrogate, e.g. from a JSON "\ud800" escape
-        raise InvalidImageRef("malformed_ref", "file URI path is not valid Unicode") from None
+        return "the path is not valid Unicode"
     if len(encoded) >= _PATH_MAX or any(len(part) > _NAME_MAX for part in encoded.split(b"/")):
-        raise InvalidImageRef(
-            "malformed_ref", f"file URI path is longer than the file system allows ({len(encoded)} bytes)"
-        )
+        return f"the path is longer than the file system allows ({len(encoded)} bytes)"
+    return None
 
 
 def _identify(data: bytes, source: str) -> tuple[str, int, int]:

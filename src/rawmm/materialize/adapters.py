@@ -73,7 +73,13 @@ class FamilyAdapter(ABC):
     ) -> EngineItem:
         """One image as an engine item, its grid and placeholder length checked."""
         self.check_descriptor(descriptor, processor)
-        layout = self.family.describe(width=image.width, height=image.height, config=processor.config)
+        try:
+            layout = self.family.describe(width=image.width, height=image.height, config=processor.config)
+        except ValueError as exc:  # e.g. Qwen's aspect-ratio limit of 200 (a 3x1000 strip)
+            raise InvalidImageRef(
+                "image_too_large",
+                f"a {image.width}x{image.height} image has no {self.family_name} layout: {exc}",
+            ) from None
         if layout.num_placeholder_tokens != expected_placeholder_length:
             raise InvalidImageRef(
                 "placeholder_mismatch",

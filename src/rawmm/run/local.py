@@ -28,6 +28,7 @@ from rawmm.run.processes import ChildProcess, rawmm_argv, stop_all
 from rawmm.run.progress import render, step_line
 from rawmm.run.scrape import health_version, scrape
 from rawmm.run.state import RunState
+from rawmm.weights_token import WEIGHTS_TOKEN_ENV, new_token
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class LocalRun:
                     "--offload-root", str(config.offload_dir),
                     "--materialize-cache-size", config.inference.materialize_cache_size,
                     "--processor-backend", config.model.processor_backend,
+                    "--weights-root", str(config.checkpoints_dir),
                     *(["--trust-remote-code"] if config.model.trust_remote_code else []),
                 ),
                 plan.logs_dir / f"engine-{i}.log",
@@ -85,6 +87,9 @@ class LocalRun:
             plan.logs_dir / "trainer.log",
         )
         self.children = [*self.engines, self.trainer, self.orchestrator]
+        # Local engines open weight updates to this run's orchestrator only; external engines (inference.urls)
+        # have their own token, which the orchestrator inherits from this process's environment.
+        self._weights_env = {WEIGHTS_TOKEN_ENV: new_token()} if self.engines else {}
         self._started = time.monotonic()
         self._reported_dead: set[str] = set()
         self._healthy: set[str] = set()
@@ -108,7 +113,7 @@ class LocalRun:
                 # All at once: the orchestrator waits for the engines itself, the trainer needs none,
                 # and their start-up (imports, model loading) overlaps.
                 for child in self.children:
-                    child.start()
+                    child.start(env=self._weights_env if child is not self.trainer else None)
                 while not self._finished():
                     self._tick(http, live)
                     time.sleep(self.tick_s)

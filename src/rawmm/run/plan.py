@@ -6,7 +6,10 @@
   self-contained; an absolute one is used as is. A shared directory that already holds rollouts or
   checkpoints is refused (a new run would mix with the old one's steps).
 - `model.path: tiny:<preset>` builds the tiny random-weight checkpoint of that preset into the
-  output directory (`<output-dir>/tiny-<preset>`); any other path is used as is.
+  output directory (`<output-dir>/tiny-<preset>`); any other path must be a checkpoint directory or a hub id
+  (`owner/name`): a missing directory is refused here, not by an engine minutes later.
+- The environment is built here once (a registered name or `package.module:factory`, with its args), so
+  an unknown name, an unimportable module or bad arguments stop the run before anything is written.
 - With no `inference.urls`, local replicas listen on 127.0.0.1 at `base_port`, `base_port + 1`, ...;
   metrics ports of 0 become free ports. Ports already in use are refused.
 """
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rawmm.config import RunConfig
+from rawmm.model_path import model_path_problem
 
 TINY_PREFIX = "tiny:"
 
@@ -53,6 +57,7 @@ def plan_local_run(
     output_dir = (output_dir or Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     shared_dir = config.shared_dir if config.shared_dir.is_absolute() else output_dir / config.shared_dir
     _refuse_previous_run(shared_dir)
+    _check_environment(config)
 
     model_path, tiny_preset = _model_path(config, output_dir)
     if config.inference.urls:
@@ -100,6 +105,8 @@ def plan_local_run(
 def _model_path(config: RunConfig, output_dir: Path) -> tuple[Path | str, str | None]:
     path = config.model.path
     if not path.startswith(TINY_PREFIX):
+        if (problem := model_path_problem(path)) is not None:
+            raise PlanError(f"model.path {path}: {problem}")
         local = Path(path).expanduser()
         return (local.resolve(), None) if local.exists() else (path, None)
     from rawmm.tiny import TINY_PRESETS
@@ -110,6 +117,17 @@ def _model_path(config: RunConfig, output_dir: Path) -> tuple[Path | str, str | 
     if preset != config.model.preset:
         raise PlanError(f"model.path {path!r} does not match model.preset {config.model.preset!r}")
     return output_dir / f"tiny-{preset}", preset
+
+
+def _check_environment(config: RunConfig) -> None:
+    from rawmm.rl.envs import EnvironmentLoadError, load_environment
+
+    environment = config.orchestrator.environment
+    try:
+        load_environment(environment.name, environment.args)
+    except EnvironmentLoadError as exc:
+        # One line: a factory's own error (a pydantic ValidationError, say) may span many.
+        raise PlanError(f"orchestrator.environment: {str(exc).splitlines()[0]}") from None
 
 
 def _refuse_previous_run(shared_dir: Path) -> None:

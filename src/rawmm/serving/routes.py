@@ -1,8 +1,12 @@
 """The rawmm HTTP routes of an engine replica, and how errors become responses.
 
-Client errors never become a 500: a bad image ref is a 400 ``invalid_mm_image_ref`` with its reason
-(counted in ``rawmm_invalid_mm_image_ref_total{reason}``); a malformed body or an impossible prompt is a
-400 ``invalid_request``. Only a genuine server fault is a 500.
+Client errors never become a 500, and every 4xx body is ``{"error": {"type", "reason", "message"}}`` with a
+stable snake_case ``reason``: a bad image ref is a 400 ``invalid_mm_image_ref`` (reasons of DESIGN §3.5,
+counted in ``rawmm_invalid_mm_image_ref_total{reason}``); a malformed body or an impossible prompt is a 400
+``invalid_request`` (``invalid_json``, ``invalid_body``, ``body_too_large`` (413), ``token_out_of_vocabulary``,
+``prompt_too_long``, and the weights reasons); a weights request the guard turns away is a 403
+``weights_refused`` (``weights_disabled``, ``missing_token``, ``invalid_token``, ``outside_weights_root``),
+counted in ``rawmm_weights_refused_total{reason}``. Only a genuine server fault is a 500.
 
 The routes are the same on our own app (the transformers engine) and mounted on vLLM's OpenAI server.
 """
@@ -16,18 +20,26 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 from rawmm import metrics
 from rawmm.contract import InvalidImageRef
-from rawmm.serving.engine import Engine, InvalidRequest
+from rawmm.serving.engine import Engine, EngineUnavailable, InvalidRequest
+from rawmm.serving.guard import WEIGHTS_DISABLED, WeightsGuard, WeightsRefused
 from rawmm.serving.images import RequestImages
 from rawmm.serving.schemas import GenerateRequest, GenerateResponse, WeightsRequest, WeightsResponse
 
 log = logging.getLogger(__name__)
 
+# A generate body is token ids plus small refs (a 32k-token prompt with 100 images is under 1 MiB); anything
+# far larger is refused before it is read into memory.
+MAX_BODY_BYTES = 16 * 1024 * 1024
 
-def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"type": kind, **extra, "message": message}})
+
+def _error(status: int, kind: str, reason: str, message: str) -> JSONResponse:
+    return JSONResponse(
+        status_code=status, content={"error": {"type": kind, "reason": reason, "message": message}}
+    )
 
 
 def _validation_message(exc: ValidationError) -> str:
@@ -37,22 +49,50 @@ def _validation_message(exc: ValidationError) -> str:
     )
 
 
+async def _read_body(request: Request) -> bytes | JSONResponse:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        return _error(413, "invalid_request", "body_too_large", f"the body is over {MAX_BODY_BYTES} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            return _error(
+                413, "invalid_request", "body_too_large", f"the body is over {MAX_BODY_BYTES} bytes"
+            )
+    return bytes(body)
+
+
 async def _parse_body(request: Request, model: type[BaseModel]) -> Any:
-    """The body as ``model``, or a 400 ``invalid_request`` response. Parsed here rather than by FastAPI so the
+    """The body as ``model``, or a 4xx ``invalid_request`` response. Parsed here rather than by FastAPI so the
     routes answer the same on our app and on vLLM's (whose validation handler would answer its own way)."""
+    body = await _read_body(request)
+    if isinstance(body, JSONResponse):
+        return body
     try:
-        return model.model_validate_json(await request.body())
+        return model.model_validate_json(body)
     except ValidationError as exc:
-        return _error(400, "invalid_request", _validation_message(exc))
+        reason = "invalid_json" if any(e["type"] == "json_invalid" for e in exc.errors()) else "invalid_body"
+        return _error(400, "invalid_request", reason, _validation_message(exc))
 
 
 def invalid_ref_response(exc: InvalidImageRef) -> JSONResponse:
     metrics.INVALID_MM_IMAGE_REF.labels(reason=exc.reason).inc()
-    return _error(400, "invalid_mm_image_ref", exc.message, reason=exc.reason)
+    return _error(400, "invalid_mm_image_ref", exc.reason, exc.message)
 
 
-def build_router(engine: Engine, images: RequestImages) -> APIRouter:
-    """The rawmm routes over ``engine``: generate, weights, health, metrics."""
+def invalid_request_response(exc: InvalidRequest) -> JSONResponse:
+    return _error(400, "invalid_request", exc.reason, str(exc))
+
+
+def weights_refused_response(exc: WeightsRefused) -> JSONResponse:
+    metrics.WEIGHTS_REFUSED.labels(reason=exc.reason).inc()
+    log.warning("weights request refused: %s", exc)
+    return _error(exc.status, "weights_refused", exc.reason, exc.message)
+
+
+def build_router(engine: Engine, images: RequestImages, guard: WeightsGuard = WEIGHTS_DISABLED) -> APIRouter:
+    """The rawmm routes over ``engine``: generate, weights (behind ``guard``), health, metrics."""
     router = APIRouter()
 
     @router.post("/v1/rawmm/generate", response_model=GenerateResponse)
@@ -71,11 +111,20 @@ def build_router(engine: Engine, images: RequestImages) -> APIRouter:
             return invalid_ref_response(exc)
         except InvalidRequest as exc:
             metrics.ENGINE_REQUESTS.labels(status="invalid").inc()
-            return _error(400, "invalid_request", str(exc))
+            return invalid_request_response(exc)
+        except EngineUnavailable as exc:
+            metrics.ENGINE_REQUESTS.labels(status="error").inc()
+            log.error("generate failed: %s", exc)
+            return _error(503, "engine_unavailable", "engine_unavailable", str(exc))
         except Exception:
             metrics.ENGINE_REQUESTS.labels(status="error").inc()
             log.exception("generate failed")
-            return _error(500, "internal_error", "the engine failed to serve this request; see its log")
+            return _error(
+                500,
+                "internal_error",
+                "internal_error",
+                "the engine failed to serve this request; see its log",
+            )
         metrics.ENGINE_REQUESTS.labels(status="ok").inc()
         metrics.ENGINE_GENERATED_TOKENS.inc(len(generation.token_ids))
         return GenerateResponse(
@@ -87,15 +136,23 @@ def build_router(engine: Engine, images: RequestImages) -> APIRouter:
 
     @router.post("/v1/rawmm/weights", response_model=WeightsResponse)
     async def load_weights(request: Request) -> Any:
+        # Authorize before reading the body: an unauthorized caller learns nothing about paths.
+        try:
+            guard.authorize(request.headers.get("authorization"))
+        except WeightsRefused as exc:
+            return weights_refused_response(exc)
         body = await _parse_body(request, WeightsRequest)
         if isinstance(body, JSONResponse):
             return body
         try:
-            version = await engine.load_weights(body.path)
+            path = guard.confine(body.path)
+            version = await engine.load_weights(str(path))
+        except WeightsRefused as exc:
+            return weights_refused_response(exc)
         except InvalidRequest as exc:
-            return _error(400, "invalid_request", str(exc))
+            return invalid_request_response(exc)
         metrics.ENGINE_WEIGHTS_VERSION.set(version)
-        log.info("loaded weights from %s: weights_version %d", body.path, version)
+        log.info("loaded weights from %s: weights_version %d", path, version)
         return WeightsResponse(weights_version=version)
 
     @router.get("/health")
@@ -114,10 +171,18 @@ def build_router(engine: Engine, images: RequestImages) -> APIRouter:
     return router
 
 
-def create_app(engine: Engine, images: RequestImages) -> FastAPI:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own 4xx (unknown route, wrong method) in the same shape as ours."""
+    assert isinstance(exc, HTTPException)
+    reason = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return _error(exc.status_code, "invalid_request", reason, str(exc.detail))
+
+
+def create_app(engine: Engine, images: RequestImages, guard: WeightsGuard) -> FastAPI:
     """The standalone rawmm server app (the transformers engine); vLLM mounts the same router on its own app."""
     metrics.register_engine_metrics()
     metrics.ENGINE_WEIGHTS_VERSION.set(engine.weights_version)
-    app = FastAPI(title="rawmm engine", docs_url=None, redoc_url=None)
-    app.include_router(build_router(engine, images))
+    app = FastAPI(title="rawmm engine", docs_url=None, redoc_url=None, openapi_url=None)
+    app.include_router(build_router(engine, images, guard))
+    app.add_exception_handler(HTTPException, _http_error)
     return app

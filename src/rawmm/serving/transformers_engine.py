@@ -104,12 +104,16 @@ class TransformersEngine(Engine):
 
     async def load_weights(self, path: str) -> int:
         if not Path(path).is_dir():
-            raise InvalidRequest(f"weights path {path!r} is not a checkpoint directory")
+            raise InvalidRequest(
+                f"weights path {path!r} is not a checkpoint directory", reason="not_a_checkpoint"
+            )
         try:
             # Read (and convert) the checkpoint off the engine thread: generation goes on meanwhile.
             fresh = await asyncio.to_thread(_load_model, path)
         except (OSError, ValueError) as exc:
-            raise InvalidRequest(f"cannot load weights from {path!r}: {exc}") from None
+            raise InvalidRequest(
+                f"cannot load weights from {path!r}: {exc}", reason="unloadable_weights"
+            ) from None
         new_state = fresh.state_dict()
         # Same tensors and shapes, or the update is refused and the old weights stay whole.
         current = self.model.state_dict()
@@ -119,7 +123,9 @@ class TransformersEngine(Engine):
             if k not in current or k not in new_state or current[k].shape != new_state[k].shape
         )
         if misfit:
-            raise InvalidRequest(f"weights at {path!r} do not fit the served model: {misfit[:5]}")
+            raise InvalidRequest(
+                f"weights at {path!r} do not fit the served model: {misfit[:5]}", reason="weights_do_not_fit"
+            )
         async with self.gate.updating():
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._thread, self.model.load_state_dict, new_state)

@@ -100,3 +100,24 @@ async def test_load_weights_and_health_report_the_version(fake_engines, client_a
 def test_backoff_grows_exponentially_and_is_capped():
     policy = RetryPolicy(attempts=6, initial_backoff_s=0.5, max_backoff_s=3.0)
     assert [policy.backoff(a) for a in range(1, 6)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+
+
+async def test_weight_updates_carry_the_run_token_and_generations_do_not(monkeypatch):
+    from rawmm.weights_token import WEIGHTS_TOKEN_ENV
+
+    seen: dict[str, str | None] = {}
+
+    class Recording(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            seen[request.url.path] = request.headers.get("authorization")
+            if request.url.path.endswith("/weights"):
+                return httpx.Response(200, json={"weights_version": 1})
+            body = {"token_ids": [1], "logprobs": [-1.0], "finish_reason": "stop", "weights_version": 1}
+            return httpx.Response(200, json=body)
+
+    monkeypatch.setenv(WEIGHTS_TOKEN_ENV, "s3cret")
+    async with httpx.AsyncClient(transport=Recording()) as http:
+        client = EngineClient(http, OrchestratorMetrics(), FAST_RETRY)
+        assert await client.load_weights("http://x", "/ckpt/step_1") == 1
+        await client.generate("http://x", [1], None, SAMPLING)
+    assert seen == {"/v1/rawmm/weights": "Bearer s3cret", "/v1/rawmm/generate": None}

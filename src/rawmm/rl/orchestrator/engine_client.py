@@ -4,6 +4,7 @@
   attempt `ReplicaUnavailable` (the pool then fails over to another replica).
 - 400 `invalid_mm_image_ref`: `InvalidRefError` at once. The ref will not get better by asking again.
 - Any other 4xx: `RequestRejected` at once.
+Weight updates carry `Authorization: Bearer $RAWMM_WEIGHTS_TOKEN` (rawmm.weights_token).
 Every failed attempt is counted in `rawmm_engine_request_errors_total{kind}` and logged.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 import httpx
 
 from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
+from rawmm.weights_token import auth_headers
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ class EngineClient:
         return generation
 
     async def load_weights(self, url: str, path: str) -> int:
-        data = await self._post(url, "/v1/rawmm/weights", {"path": path})
+        data = await self._post(url, "/v1/rawmm/weights", {"path": path}, headers=auth_headers())
         return int(data["weights_version"])
 
     async def health(self, url: str) -> int:
@@ -101,11 +103,13 @@ class EngineClient:
         response.raise_for_status()
         return int(response.json()["weights_version"])
 
-    async def _post(self, url: str, route: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(
+        self, url: str, route: str, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> dict[str, Any]:
         last_error = ""
         for attempt in range(1, self._retry.attempts + 1):
             try:
-                response = await self._http.post(f"{url}{route}", json=body)
+                response = await self._http.post(f"{url}{route}", json=body, headers=headers)
             except httpx.TimeoutException as exc:
                 kind, last_error = "timeout", f"timed out ({type(exc).__name__})"
             except httpx.TransportError as exc:
