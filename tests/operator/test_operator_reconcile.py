@@ -1,0 +1,69 @@
+"""The reconciler's pure decisions: which stage a run is in, which `suspend` a Job gets, which event of a
+claim says why it is pending. (The passes themselves run against a real server: test_real_operator_*.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from operator_samples import ISSUE_EXAMPLE, merged
+
+from rawmm_operator.builders import RUN_SUSPEND, RunRef, build_children
+from rawmm_operator.reconcile import job_suspend, newest_event, stage_of
+from rawmm_operator.spec import parse_spec
+from rawmm_operator.status import RLRunStatus
+
+RUN = RunRef(name="exp", namespace="ml", uid="u-1")
+T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:10:00Z"
+
+
+def trainer_job(spec: dict[str, Any]) -> dict[str, Any]:
+    (job,) = [
+        m for m in build_children(RUN, parse_spec("exp", spec)) if m["metadata"]["name"] == "exp-trainer"
+    ]
+    return job
+
+
+def live(carried: str, suspended: bool) -> dict[str, Any]:
+    return {"metadata": {"annotations": {RUN_SUSPEND: carried}}, "spec": {"suspend": suspended}}
+
+
+@pytest.mark.parametrize(
+    ("run_suspend", "carried", "live_suspend", "expected"),
+    [
+        (False, "false", True, True),  # a queue suspended (or has not admitted) the Job: left so
+        (False, "false", False, False),  # a queue admitted it: left so
+        (True, "false", False, True),  # the run was suspended since: carried over
+        (False, "true", True, False),  # the run was resumed since: carried over
+        (True, "true", False, False),  # suspended run, Job admitted by hand or a queue: left so
+    ],
+)
+def test_a_jobs_suspend_changes_only_when_the_runs_does(
+    run_suspend: bool, carried: str, live_suspend: bool, expected: bool
+) -> None:
+    spec = merged(ISSUE_EXAMPLE, {"suspend": run_suspend})
+    manifest = trainer_job(spec)
+    assert manifest["metadata"]["annotations"][RUN_SUSPEND] == str(run_suspend).lower()
+    assert job_suspend(parse_spec("exp", spec), manifest, live(carried, live_suspend)) is expected
+
+
+def test_stage_follows_the_phase_and_the_ttl() -> None:
+    spec = parse_spec("exp", ISSUE_EXAMPLE)
+    with_ttl = parse_spec("exp", merged(ISSUE_EXAMPLE, {"ttlSecondsAfterFinished": 600}))
+    running = RLRunStatus(phase="Running")
+    done = RLRunStatus(phase="Succeeded", completion_time=T0)
+    assert stage_of(spec, running, T1) == "active"
+    assert stage_of(spec, done, T1) == "finished"  # no TTL: its children stay
+    assert stage_of(with_ttl, done, "2026-01-01T00:09:59Z") == "finished"
+    assert stage_of(with_ttl, done, T1) == "expired"
+    assert stage_of(with_ttl, RLRunStatus(phase="Failed", completion_time=T0), T1) == "expired"
+
+
+def test_the_newest_event_says_why() -> None:
+    events = [
+        {"reason": "ExternalProvisioning", "message": "waiting", "lastTimestamp": "2026-01-01T00:00:01Z"},
+        {"reason": "ProvisioningFailed", "message": 'storageclass "nfs" not found', "lastTimestamp": T1},
+        {"reason": "Old", "message": "x", "metadata": {"creationTimestamp": T0}},
+    ]
+    assert newest_event(events) == 'ProvisioningFailed: storageclass "nfs" not found'
+    assert newest_event([]) is None
