@@ -464,7 +464,11 @@ def build_orchestrator_job(run: RunRef, spec: RLRunSpec) -> Manifest:
         name="orchestrator",
         image=orchestrator.image or default_image("trainer"),
         command=["rawmm"],
-        args=["orchestrate", str(RUN_CONFIG_DIR / RUN_CONFIG_FILE)],
+        args=[
+            "orchestrate",
+            str(RUN_CONFIG_DIR / RUN_CONFIG_FILE),
+            f"--checkpoint-timeout={orchestrator.checkpoint_timeout_seconds}",
+        ],
         env=_env([_weights_token_env(run), *COMMON_ENV], orchestrator),
         ports=[
             {"name": "metrics", "containerPort": spec.monitoring.orchestrator_metrics_port, "protocol": "TCP"}

@@ -320,6 +320,12 @@ class OrchestratorSpec(PodSettings, OrchestratorConfig):
     environment: EnvironmentSpec = Field(default_factory=EnvironmentSpec)
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     image: str = _image()
+    checkpoint_timeout_seconds: int = Field(
+        default=7200,
+        ge=1,
+        description="the orchestrator fails when the trainer's checkpoint a step waits for takes longer "
+        "(`--checkpoint-timeout`)",
+    )
     resources: Resources = default_resources(cpu="2", memory="4Gi")
 
 

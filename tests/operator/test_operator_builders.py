@@ -172,7 +172,12 @@ def test_orchestrator_job_runs_the_config_from_the_config_map() -> None:
     built = children(ISSUE_EXAMPLE)
     job = built[("Job", "exp-orchestrator")]
     (container,) = pod_spec(job)["containers"]
-    assert [*container["command"], *container["args"]] == ["rawmm", "orchestrate", "/etc/rawmm/run.yaml"]
+    assert [*container["command"], *container["args"]] == [
+        "rawmm",
+        "orchestrate",
+        "/etc/rawmm/run.yaml",
+        "--checkpoint-timeout=7200",
+    ]
     assert {"name": "config", "mountPath": "/etc/rawmm", "readOnly": True} in container["volumeMounts"]
     assert {"name": "config", "configMap": {"name": "exp-config"}} in pod_spec(job)["volumes"]
     assert job["spec"]["backoffLimit"] == 0
@@ -436,6 +441,12 @@ def test_jobs_ignore_disruptions_and_fail_on_a_real_failure() -> None:
         ]
         assert job["spec"]["podReplacementPolicy"] == "Failed"
         assert pod_spec(job)["restartPolicy"] == "Never"  # podFailurePolicy requires it
+
+
+def test_the_orchestrators_checkpoint_wait_has_a_deadline() -> None:
+    spec = merged(CPU_ONLY, {"orchestrator": {"checkpointTimeoutSeconds": 90}})
+    (orchestrator,) = pod_spec(children(spec)[("Job", "exp-orchestrator")])["containers"]
+    assert orchestrator["args"][-1] == "--checkpoint-timeout=90"
 
 
 def test_the_trainers_batch_wait_has_a_deadline() -> None:

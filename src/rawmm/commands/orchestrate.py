@@ -29,6 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "failing (default 600)",
     )
     parser.add_argument(
+        "--checkpoint-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="fail if the trainer's checkpoint a step waits for does not appear within this time "
+        "(default: wait forever)",
+    )
+    parser.add_argument(
         "--metrics-host",
         default="0.0.0.0",
         help="address of the /metrics endpoint (port: monitoring section)",
@@ -69,7 +76,11 @@ def run(args: argparse.Namespace) -> int:
     port = config.monitoring.orchestrator_metrics_port
     if port:
         start_http_server(port, addr=args.metrics_host, registry=metrics.registry)
-    return asyncio.run(_orchestrate(config, steps, environment, renderer, metrics, args.engine_down_timeout))
+    return asyncio.run(
+        _orchestrate(
+            config, steps, environment, renderer, metrics, args.engine_down_timeout, args.checkpoint_timeout
+        )
+    )
 
 
 async def _orchestrate(
@@ -79,11 +90,12 @@ async def _orchestrate(
     renderer: PromptRenderer,
     metrics: OrchestratorMetrics,
     down_timeout_s: float,
+    checkpoint_timeout_s: float | None,
 ) -> int:
     import httpx
 
     from rawmm.rl.orchestrator.engine_client import EngineClient
-    from rawmm.rl.orchestrator.loop import AllRolloutsDropped, Orchestrator, print_report
+    from rawmm.rl.orchestrator.loop import AllRolloutsDropped, CheckpointTimeout, Orchestrator, print_report
     from rawmm.rl.orchestrator.replicas import NoReplicaAvailable, ReplicaPool
     from rawmm.rl.samples import SampleError
 
@@ -93,11 +105,16 @@ async def _orchestrate(
             config.inference.urls, EngineClient(http, metrics), metrics, down_timeout_s=down_timeout_s
         )
         orchestrator = Orchestrator(
-            config, pool=pool, renderer=renderer, environment=environment, metrics=metrics
+            config,
+            pool=pool,
+            renderer=renderer,
+            environment=environment,
+            metrics=metrics,
+            checkpoint_timeout_s=checkpoint_timeout_s,
         )
         try:
             await orchestrator.run(steps, on_step=print_report)
-        except (NoReplicaAvailable, AllRolloutsDropped, SampleError) as exc:
+        except (NoReplicaAvailable, AllRolloutsDropped, SampleError, CheckpointTimeout) as exc:
             raise CliError(str(exc)) from None
         finally:
             await pool.close()

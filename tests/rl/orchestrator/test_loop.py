@@ -16,7 +16,7 @@ from rawmm.contract import OffloadStore, parse_ref
 from rawmm.rl.batches import batch_path, read_batch, write_batch
 from rawmm.rl.envs import Environment, Episode, StepResult, load_environment
 from rawmm.rl.orchestrator.engine_client import EngineClient, RetryPolicy
-from rawmm.rl.orchestrator.loop import AllRolloutsDropped, Orchestrator
+from rawmm.rl.orchestrator.loop import AllRolloutsDropped, CheckpointTimeout, Orchestrator
 from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
 from rawmm.rl.orchestrator.replicas import ReplicaPool, rendezvous_order
 from rawmm.rl.orchestrator.rollout import PromptRenderer, RolloutId, request_seed
@@ -69,7 +69,12 @@ async def orchestrator_factory(tmp_path, renderer_parts):
     pools = []
     async with httpx.AsyncClient(timeout=30) as http:
 
-        def make(urls, environment: Environment | None = None, **orchestrator) -> Orchestrator:
+        def make(
+            urls,
+            environment: Environment | None = None,
+            checkpoint_timeout_s: float | None = None,
+            **orchestrator,
+        ) -> Orchestrator:
             config = make_config(tmp_path, model, urls, **orchestrator)
             retry = RetryPolicy(attempts=2, initial_backoff_s=0.01, max_backoff_s=0.01)
             pool = ReplicaPool(urls, EngineClient(http, metrics, retry), metrics)
@@ -82,6 +87,7 @@ async def orchestrator_factory(tmp_path, renderer_parts):
                 environment=environment or load_environment(env_cfg.name, env_cfg.args),
                 metrics=metrics,
                 poll_interval_s=0.02,
+                checkpoint_timeout_s=checkpoint_timeout_s,
             )
 
         yield make, metrics
@@ -236,6 +242,18 @@ async def test_waits_for_the_trainer_then_loads_its_checkpoint_before_sampling(
     assert engine.weights_paths == [str(checkpoint.resolve())]
     assert report.weights_step == 1 and engine.calls == ["weights"] + ["generate"] * 4
     assert metrics.registry.get_sample_value("rawmm_orchestrator_weights_step") == 1
+
+
+async def test_a_checkpoint_that_never_comes_fails_the_step_after_its_deadline(
+    fake_engines, orchestrator_factory, renderer_parts
+):
+    _, tokenizer = renderer_parts
+    engine = await fake_engines(reply=lambda body: tokenizer.encode("yes"))
+    make, _ = orchestrator_factory
+    orchestrator = make([engine.url], environment=SayYes(), max_async_level=1, checkpoint_timeout_s=0.2)
+    with pytest.raises(CheckpointTimeout, match="no trainer checkpoint for step 1"):
+        await asyncio.wait_for(orchestrator.run_step(2), timeout=30)
+    assert engine.generate_bodies == []
 
 
 async def test_run_resumes_after_the_last_batch_and_ends_on_the_final_weights(

@@ -41,6 +41,11 @@ class AllRolloutsDropped(RuntimeError):
     """Every rollout of a step was rejected; training on nothing would hide the problem."""
 
 
+class CheckpointTimeout(TimeoutError):
+    """The trainer's checkpoint for a step did not appear within the allowed time (the mirror of the
+    trainer's `BatchTimeout`: neither side waits forever for a peer that is gone)."""
+
+
 @dataclass(frozen=True)
 class StepReport:
     """What one step did; printed as one JSON line (`rawmm run` and log collectors read it)."""
@@ -69,10 +74,12 @@ class Orchestrator:
         environment: Environment,
         metrics: OrchestratorMetrics,
         poll_interval_s: float = 0.2,
+        checkpoint_timeout_s: float | None = None,
     ) -> None:
         self.config, self.pool, self.renderer = config, pool, renderer
         self.environment, self.metrics = environment, metrics
         self._poll_interval_s = poll_interval_s
+        self._checkpoint_timeout_s = checkpoint_timeout_s  # None: wait forever
         self.weights_step = 0  # the checkpoint the replicas were last told to load (0 = as started)
 
     async def run(
@@ -176,6 +183,11 @@ class Orchestrator:
         """Wait until the trainer's latest checkpoint is at least `step`; returns the seconds waited."""
         started = time.perf_counter()
         while latest_step(self.config.checkpoints_dir) < step:
+            waited = time.perf_counter() - started
+            if self._checkpoint_timeout_s is not None and waited >= self._checkpoint_timeout_s:
+                raise CheckpointTimeout(
+                    f"no trainer checkpoint for step {step} in {self.config.checkpoints_dir} after {waited:.0f}s"
+                )
             await asyncio.sleep(self._poll_interval_s)
         return time.perf_counter() - started
 
