@@ -1,6 +1,7 @@
 """`rawmm train CONFIG`: train on the run's rollout batches and write a checkpoint per step.
 
-Data-parallel when launched by torchrun (`torchrun --nproc-per-node N -m rawmm.cli train CONFIG`).
+Launched by torchrun (`torchrun --nproc-per-node N -m rawmm.cli train CONFIG`) it trains on N ranks,
+data-parallel or FSDP-sharded as `trainer.parallelism` says; it resumes after the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from rawmm.rl.materializer import MissingImageError
     from rawmm.rl.trainer.distributed import init_distributed, shutdown_distributed
     from rawmm.rl.trainer.loop import BatchTimeout, Trainer, step_log_line
+    from rawmm.rl.trainer.train_state import MissingTrainState
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     config = load_run_config(args.config)
@@ -42,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         try:
             trainer = Trainer(config, dist)
+        except MissingTrainState as exc:
+            raise CliError(f"cannot resume: {exc}") from None
         except (OSError, ValueError) as exc:
             raise CliError(
                 f"model.path {config.model.path!r}: cannot load the model or its processor: {exc}"

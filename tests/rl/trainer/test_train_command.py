@@ -52,3 +52,13 @@ def test_unloadable_model_is_a_clear_error(make_config, tmp_path, capsys):
     )
     assert main(["train", write_config(tmp_path / "run.yaml", config)]) == 2
     assert "cannot load the model" in capsys.readouterr().err
+
+
+def test_a_checkpoint_without_trainer_state_cannot_be_resumed(make_config, tmp_path, capsys):
+    config = make_config()
+    config.checkpoints_dir.mkdir(parents=True)
+    (config.checkpoints_dir / "step_1").mkdir()
+    (config.checkpoints_dir / "latest").write_text("1\n")
+    assert main(["train", write_config(tmp_path / "run.yaml", config)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume: " in err and "step_1/trainer_state: no trainer state to resume from" in err

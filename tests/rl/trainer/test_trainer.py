@@ -117,3 +117,27 @@ def test_wait_for_batch_times_out_and_checks_the_step(rollouts):
     batch_path(rollouts.config.rollouts_dir, 4).rename(batch_path(rollouts.config.rollouts_dir, 3))
     with pytest.raises(ValueError, match="holds the batch of step 4, expected 3"):
         wait_for_batch(rollouts.config.rollouts_dir, 3, timeout=1)
+
+
+def test_activation_checkpointing_saves_less_for_backward_and_changes_nothing_else(
+    rollouts, make_config, tmp_path
+):
+    rollouts.write(1, rollouts.standard_batch())
+    results, saved = {}, {}
+    for checkpointing in (False, True):
+        trainer = Trainer(make_config(activation_checkpointing=checkpointing), init_distributed())
+        sizes: list[int] = []
+        # What autograd keeps for backward; a checkpointed layer keeps only its inputs (and recomputes).
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t, sizes=sizes: sizes.append(t.numel()) or t, lambda t: t
+        ):
+            [results[checkpointing]] = trainer.run(1, batch_timeout=5)
+        saved[checkpointing] = sum(sizes)
+        trainer.config.checkpoints_dir.rename(tmp_path / f"checkpointing-{checkpointing}")
+    assert saved[True] < 0.5 * saved[False]
+    assert results[True].loss == pytest.approx(results[False].loss, abs=1e-7)
+    assert results[True].grad_norm == pytest.approx(results[False].grad_norm, rel=1e-6)
+    plain = load_file(checkpoint_dir(tmp_path / "checkpointing-False", 1) / "model.safetensors")
+    recomputed = load_file(checkpoint_dir(tmp_path / "checkpointing-True", 1) / "model.safetensors")
+    for name, tensor in plain.items():
+        torch.testing.assert_close(recomputed[name], tensor, rtol=0, atol=1e-7, msg=name)
