@@ -4,6 +4,7 @@ on the tiny model (slow)."""
 from __future__ import annotations
 
 import _thread
+import contextlib
 import io
 import json
 import os
@@ -433,6 +434,61 @@ def _interrupt_after_first_step(run: LocalRun) -> None:
     while not run.state.trainer_steps and time.monotonic() < deadline and not event.wait(0.02):
         pass
     _thread.interrupt_main()
+
+
+DRIVER = textwrap.dedent(
+    """
+    import json, sys, threading, time
+    from pathlib import Path
+    from rawmm.run import LocalRun
+    from rawmm.run.plan import plan_local_run
+    from rawmm.config import RunConfig
+
+    work, config = Path(sys.argv[1]), RunConfig.model_validate_json(sys.argv[2])
+    run = LocalRun(plan_local_run(config, output_dir=work / "out"), tick_s=0.05)
+    (port,) = run.plan.engine_ports
+    run.engines[0].argv = [sys.executable, str(work / "engine.py"), str(port), str(work / "helper.pid")]
+    run.trainer.argv = [sys.executable, str(work / "steps.py"), "trainer_step", "1", "hang"]
+    run.orchestrator.argv = [sys.executable, str(work / "steps.py"), "orchestrator_step", "1", "hang"]
+
+    def report():
+        while not all(child.pid for child in run.children):
+            time.sleep(0.02)
+        (work / "pids.json").write_text(json.dumps([child.pid for child in run.children]))
+
+    threading.Thread(target=report, daemon=True).start()
+    run.run()
+    """
+)
+
+
+def test_sigkill_of_rawmm_run_stops_every_child_and_a_rerun_finds_its_port_free(tmp_path):
+    (tmp_path / "engine.py").write_text(FAKE_ENGINE)
+    (tmp_path / "steps.py").write_text(FAKE_STEPS)
+    port = free_port()
+    run_config = config(model={"path": str(tmp_path), "preset": "qwen2_vl"}, inference__base_port=port)
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path), run_config.model_dump_json()])
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not ((tmp_path / "pids.json").exists() and (tmp_path / "helper.pid").exists()):
+            assert driver.poll() is None and time.monotonic() < deadline, "the run did not start"
+            threading.Event().wait(0.02)
+        pids = [*json.loads((tmp_path / "pids.json").read_text()), int((tmp_path / "helper.pid").read_text())]
+        assert all(pid_alive(pid) for pid in pids)
+        driver.kill()  # SIGKILL: no handler, no finally, no chance to stop anything itself
+        driver.wait()
+        deadline = time.monotonic() + 30
+        while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            threading.Event().wait(0.05)
+        assert not [pid for pid in pids if pid_alive(pid)], (
+            "engine, trainer, orchestrator or a grandchild survived"
+        )
+        plan_local_run(run_config, output_dir=tmp_path / "rerun")  # the engine port is free again
+    finally:
+        for pid in pids:  # whatever the outcome, nothing of this test outlives it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
 
 
 # --- end to end on the tiny model (real engine, orchestrator and trainer processes) ---------------------

@@ -5,7 +5,10 @@ Engines start first (`rawmm serve`, one per replica) and must answer `/health`; 
 exit 0. It fails, stopping everything, when the orchestrator or the trainer exits non-zero, or when
 the last engine replica exits (while others live, a dead replica is reported and the orchestrator
 fails over). Ctrl-C stops everything as well. In every case the engines are scraped one last time,
-every process group is stopped (no orphans) and `summary.json` is written.
+every process group is stopped (no orphans) and `summary.json` is written. Should `rawmm run` itself be
+killed (SIGKILL, OOM), its watchdog process stops every group instead (`rawmm.run.watchdog`).
+Local engines open weight updates only to a token generated for this run (`$RAWMM_WEIGHTS_TOKEN`, given to
+the engines and the orchestrator) and only from the run's checkpoint directory (`--weights-root`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from rich.console import Console
 from rich.live import Live
 
 from rawmm.run.plan import LocalRunPlan
-from rawmm.run.processes import ChildProcess, rawmm_argv, stop_all
+from rawmm.run.processes import ChildProcess, Watchdog, rawmm_argv, stop_all
 from rawmm.run.progress import render, step_line
 from rawmm.run.scrape import health_version, scrape
 from rawmm.run.state import RunState
@@ -107,13 +110,16 @@ class LocalRun:
         (or KeyboardInterrupt) after writing the summary if the run did not finish."""
         self._prepare()
         self._started = time.monotonic()
+        self._watchdog = Watchdog()
         status, error = "completed", None
         try:
             with httpx.Client(timeout=2.0) as http, self._live() as live:
                 # All at once: the orchestrator waits for the engines itself, the trainer needs none,
                 # and their start-up (imports, model loading) overlaps.
                 for child in self.children:
-                    child.start(env=self._weights_env if child is not self.trainer else None)
+                    self._watchdog.watch(
+                        child.start(self._weights_env if child is not self.trainer else None)
+                    )
                 while not self._finished():
                     self._tick(http, live)
                     time.sleep(self.tick_s)
@@ -237,6 +243,7 @@ class LocalRun:
         previous = [signal.signal(s, signal.SIG_IGN) for s in signals] if in_main else []
         try:
             stop_all(self.children)
+            self._watchdog.release()
         finally:
             for sig, handler in zip(signals, previous, strict=False):
                 signal.signal(sig, handler)

@@ -1,7 +1,8 @@
 """Child processes of a local run, each in its own process group so stopping it stops its children too.
 
 Output (stdout and stderr) goes to one log file per process. `stop` sends SIGTERM to the group,
-waits, then SIGKILLs what is left; it never leaves a process behind.
+waits, then SIGKILLs what is left; it never leaves a process behind. A `Watchdog` does the same for
+every group if `rawmm run` itself dies without stopping them (SIGKILL, OOM kill): see `watchdog.py`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class ChildProcess:
     def pid(self) -> int | None:
         return self.popen.pid if self.popen is not None else None
 
-    def start(self, env: Mapping[str, str] | None = None) -> None:
+    def start(self, env: Mapping[str, str] | None = None) -> int:
+        """Start the process in a new session (its pid is its process group id); returns the pid."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.popen = subprocess.Popen(
@@ -48,6 +50,7 @@ class ChildProcess:
                 start_new_session=True,  # its own process group: signals reach its children too
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             )
+        return self.popen.pid
 
     def poll(self) -> int | None:
         """The exit code, or None while it runs."""
@@ -97,3 +100,31 @@ def stop_all(children: Sequence[ChildProcess], grace_s: float = 10.0) -> None:
             _signal_group(child.popen.pid, signal.SIGTERM)
     for child in children:
         child.stop(grace_s)
+
+
+class Watchdog:
+    """The watchdog process of a run (`rawmm.run.watchdog`), fed the process groups to stop should we die."""
+
+    def __init__(self) -> None:
+        read_end, write_end = os.pipe()
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-I", str(Path(__file__).with_name("watchdog.py"))],
+                stdin=read_end,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,  # outside our group: a kill of `rawmm run`'s group spares it
+            )
+        finally:
+            os.close(read_end)
+        self._pipe = os.fdopen(write_end, "w", buffering=1)
+
+    def watch(self, pgid: int) -> None:
+        with contextlib.suppress(BrokenPipeError):
+            self._pipe.write(f"{pgid}\n")
+
+    def release(self) -> None:
+        """Everything was stopped by us: the watchdog exits without touching a group."""
+        with contextlib.suppress(BrokenPipeError):
+            self._pipe.write("done\n")
+            self._pipe.close()
+        self._process.wait()
