@@ -20,7 +20,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from rawmm.contract import OffloadStore, family_of_checkpoint, get_family, parse_ref, render_chat
+from rawmm.contract import OffloadStore, detect_family, get_family, parse_ref, render_chat
 from rawmm.tiny import build_tiny_model
 
 
@@ -53,7 +53,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    family = family_of_checkpoint(checkpoint)
+    family = detect_family(checkpoint)
     config = family.config_from_pretrained(checkpoint)
     store = OffloadStore(workdir / "images")
     square, circle, wide = (

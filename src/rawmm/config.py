@@ -12,10 +12,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+# The families' own records decide which presets and backends exist.
+from rawmm.contract.families import Backend as ProcessorBackend
+from rawmm.contract.families import Preset
 from rawmm.quantity import BYTE_SIZE_PATTERN, parse_byte_size
 
-Preset = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "kimi_k25"]
-ProcessorBackend = Literal["pil", "torchvision"]
 Engine = Literal["transformers", "vllm"]
 MissingImagePolicy = Literal["error", "zero_loss"]
 # ddp: every rank holds the whole model and AdamW state; fsdp: FSDP2 shards them over the ranks.

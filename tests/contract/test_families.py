@@ -1,6 +1,7 @@
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any, Literal, get_args
 
 import pytest
 
@@ -8,11 +9,12 @@ from rawmm.contract import (
     InvalidImageRef,
     KimiK25Config,
     QwenVLConfig,
-    family_of_checkpoint,
+    detect_family,
     get_family,
     resolve_preset,
 )
-from rawmm.contract.families import FAMILIES, PRESETS
+from rawmm.contract.families import FAMILIES, MODEL_TYPES, PRESETS, Preset
+from rawmm.contract.families.base import Family
 
 qwen = get_family("qwen_vl")
 kimi = get_family("kimi_k25")
@@ -98,17 +100,39 @@ def test_presets_equal_the_published_preprocessor_configs(
 ) -> None:
     checkpoint = write_checkpoint(tmp_path / preset, public, model_type)
     family, config = resolve_preset(preset)
-    assert family_of_checkpoint(checkpoint) is family
+    assert detect_family(checkpoint) is family
     loaded = family.config_from_pretrained(checkpoint)
     assert loaded == config
     assert family.fingerprint(loaded, "pil") == family.fingerprint(config, "pil")
 
 
 def test_checkpoint_family_detection_errors(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError):
-        family_of_checkpoint(tmp_path)
-    with pytest.raises(ValueError, match="not a supported family"):
-        family_of_checkpoint(write_checkpoint(tmp_path / "llava", {}, "llava"))
+    with pytest.raises(ValueError, match="has no config.json"):
+        detect_family(tmp_path)
+    with pytest.raises(ValueError, match="not supported"):
+        detect_family(write_checkpoint(tmp_path / "llava", {}, "llava"))
+
+
+def test_a_kimi_processor_config_identifies_a_checkpoint_of_another_model_type(tmp_path: Path) -> None:
+    checkpoint = write_checkpoint(tmp_path / "kimi", KIMI_K25_PUBLIC, "kimi_k25_remote_code")
+    assert detect_family(checkpoint) is kimi
+
+
+def test_everything_about_families_derives_from_their_records() -> None:
+    from rawmm.config import ModelConfig
+
+    assert set(get_args(Preset)) == set(PRESETS)
+    assert ModelConfig.model_json_schema()["properties"]["preset"]["enum"] == list(get_args(Preset))
+    assert MODEL_TYPES == {"qwen2_vl": "qwen_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen_vl",
+                           "qwen3_vl_moe": "qwen_vl", "kimi_k25": "kimi_k25"}  # fmt: skip
+
+
+def test_a_family_whose_preset_type_and_presets_differ_is_refused_at_definition() -> None:
+    with pytest.raises(TypeError, match="preset_names"):
+
+        class Broken(Family[Any]):  # the class statement itself fails
+            preset_names = Literal["a", "b"]
+            presets = {"a": None}
 
 
 @pytest.mark.parametrize("family_name", ["qwen_vl", "kimi_k25"])

@@ -30,13 +30,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, required: bool) -> N
 
 def resolve_model(args: argparse.Namespace) -> tuple[Any, Any] | None:
     """(family, config) from ``--preset`` or ``--model``; None when neither was given."""
-    from rawmm.contract import family_of_checkpoint, resolve_preset
+    from rawmm.contract import detect_family, resolve_preset
 
     try:
         if args.preset is not None:
             return resolve_preset(args.preset)
         if args.model is not None:
-            family = family_of_checkpoint(args.model)
+            family = detect_family(args.model)
             return family, family.config_from_pretrained(args.model)
     except (OSError, ValueError) as exc:
         raise CliError(str(exc)) from None

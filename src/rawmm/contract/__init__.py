@@ -9,7 +9,7 @@ from rawmm.contract.families import (
     KimiK25Config,
     Layout,
     QwenVLConfig,
-    family_of_checkpoint,
+    detect_family,
     get_family,
     resolve_preset,
 )
@@ -40,7 +40,7 @@ __all__ = [
     "StoredImage",
     "describe_stored_image",
     "encode_ref",
-    "family_of_checkpoint",
+    "detect_family",
     "get_family",
     "offload_message_images",
     "parse_features",

@@ -15,16 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rawmm.contract.families import BACKENDS, Family, get_family
-
-# config.json model_type -> family. Qwen2-VL, Qwen2.5-VL and Qwen3-VL share one image processor.
-MODEL_TYPE_FAMILIES: dict[str, str] = {
-    "qwen2_vl": "qwen_vl",
-    "qwen2_5_vl": "qwen_vl",
-    "qwen3_vl": "qwen_vl",
-    "qwen3_vl_moe": "qwen_vl",
-    "kimi_k25": "kimi_k25",
-}
+from rawmm.contract.families import BACKENDS, Family, checkpoint_file, detect_family
 
 
 @dataclass(frozen=True)
@@ -61,32 +52,6 @@ def qwen_image_processor(config: Any, backend: str = "pil") -> Any:
     )
 
 
-def _checkpoint_file(path: str, name: str) -> Path | None:
-    """A file of a local checkpoint dir or of a hub id (through transformers' cache), or None if absent."""
-    local = Path(path)
-    if local.is_dir():
-        file = local / name
-        return file if file.is_file() else None
-    from transformers.utils import cached_file
-
-    resolved = cached_file(path, name, _raise_exceptions_for_missing_entries=False)
-    return Path(resolved) if resolved else None
-
-
-def detect_family(path: str) -> Family[Any]:
-    """The family of a checkpoint, from its ``config.json`` model type (or a Kimi ``media_proc_cfg``)."""
-    config_file = _checkpoint_file(path, "config.json")
-    model_type = json.loads(config_file.read_text()).get("model_type") if config_file else None
-    if model_type in MODEL_TYPE_FAMILIES:
-        return get_family(MODEL_TYPE_FAMILIES[model_type])
-    preprocessor_file = _checkpoint_file(path, "preprocessor_config.json")
-    if preprocessor_file and "media_proc_cfg" in json.loads(preprocessor_file.read_text()):
-        return get_family("kimi_k25")
-    raise ValueError(
-        f"{path}: model type {model_type!r} is not supported; supported: {sorted(MODEL_TYPE_FAMILIES)}"
-    )
-
-
 def backend_of(processor: Any) -> str:
     """The backend a loaded image processor really uses."""
     from transformers.image_processing_backends import PilBackend, TorchvisionBackend
@@ -107,7 +72,7 @@ def _load_image_processor(path: str, family: Family[Any], backend: str, trust_re
         # Our own implementation of the published preprocessing: no remote code needed.
         from rawmm.materialize.kimi import KimiK25ImageProcessor
 
-        preprocessor_file = _checkpoint_file(path, "preprocessor_config.json")
+        preprocessor_file = checkpoint_file(path, "preprocessor_config.json")
         if preprocessor_file is None:
             raise ValueError(f"{path} has no preprocessor_config.json")
         return KimiK25ImageProcessor(family.config_from_pretrained(preprocessor_file), backend)

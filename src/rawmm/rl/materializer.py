@@ -19,12 +19,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import get_args
 
 import torch
 from PIL import Image
 
 from rawmm import metrics
+from rawmm.config import MissingImagePolicy
 from rawmm.contract import InvalidImageRef, RawImageDescriptor
 from rawmm.materialize import (
     DEFAULT_MAX_IMAGE_PIXELS,
@@ -35,8 +36,6 @@ from rawmm.materialize import (
 )
 from rawmm.rl.packing import PackedMicroBatch
 from rawmm.rl.samples import MMImageRef
-
-MissingImagePolicy = Literal["error", "zero_loss"]
 
 # Reasons that mean "this image's bytes are gone or damaged": the policy decides. Every other reason
 # (wrong root, fingerprint or grid mismatch, malformed ref) is a run misconfiguration and always raises.
@@ -103,9 +102,9 @@ class RawImageMaterializer:
         dedupe: bool = True,
         max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     ) -> None:
-        if missing_image_policy not in ("error", "zero_loss"):
+        if missing_image_policy not in get_args(MissingImagePolicy):
             raise ValueError(
-                f"missing_image_policy must be 'error' or 'zero_loss', got {missing_image_policy!r}"
+                f"missing_image_policy must be one of {get_args(MissingImagePolicy)}, got {missing_image_policy!r}"
             )
         self.processor = processor
         self.adapter = get_adapter(processor.family.name)

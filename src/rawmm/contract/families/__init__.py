@@ -1,19 +1,27 @@
-"""Model families: layout math, payloads and processor identity per family (DESIGN §3.4)."""
+"""Model families: layout math, payloads and processor identity per family (docs/architecture.md, "The
+contract"). Each family's class is its one record (presets, model types, layout); what the rest of rawmm
+knows about families (the run config's preset type, checkpoint detection, adapters) derives from here."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rawmm.contract.errors import InvalidImageRef
-from rawmm.contract.families.base import BACKENDS, Family, Layout, check_backend
-from rawmm.contract.families.kimi_k25 import KimiK25Config, KimiK25Family
-from rawmm.contract.families.qwen_vl import QwenVLConfig, QwenVLFamily
+from rawmm.contract.families.base import BACKENDS, Backend, Family, Layout, check_backend
+from rawmm.contract.families.kimi_k25 import KimiK25Config, KimiK25Family, KimiK25Preset
+from rawmm.contract.families.qwen_vl import QwenVLConfig, QwenVLFamily, QwenVLPreset
 
 FAMILIES: dict[str, Family[Any]] = {family.name: family for family in (QwenVLFamily(), KimiK25Family())}
-# Model presets (as named in run configs) -> the family that owns them.
+# A preset name as run configs spell it; a family added above adds its preset type here.
+Preset = Literal[QwenVLPreset, KimiK25Preset]
+# Model presets -> the family that owns them.
 PRESETS: dict[str, str] = {preset: family.name for family in FAMILIES.values() for preset in family.presets}
+# config.json model_type -> family.
+MODEL_TYPES: dict[str, str] = {
+    model_type: family.name for family in FAMILIES.values() for model_type in family.model_types
+}
 
 
 def get_family(name: str) -> Family[Any]:
@@ -34,27 +42,36 @@ def resolve_preset(preset: str) -> tuple[Family[Any], Any]:
     return family, family.preset(preset)
 
 
-# config.json model_type -> family, for checkpoints named by directory rather than preset.
-MODEL_TYPES: dict[str, str] = {
-    "qwen2_vl": "qwen_vl",
-    "qwen2_5_vl": "qwen_vl",
-    "qwen3_vl": "qwen_vl",
-    "qwen3_vl_moe": "qwen_vl",
-    "kimi_k25": "kimi_k25",
-}
+def checkpoint_file(path: str | Path, name: str) -> Path | None:
+    """A file of a local checkpoint dir, or of a hub id (through transformers' cache); None if absent."""
+    local = Path(path)
+    if local.is_dir():
+        file = local / name
+        return file if file.is_file() else None
+    # Imported here: only hub ids need transformers, and `import rawmm.contract` must not pull it in.
+    from transformers.utils.hub import cached_file
+
+    resolved = cached_file(str(path), name, _raise_exceptions_for_missing_entries=False)
+    return Path(resolved) if resolved else None
 
 
-def family_of_checkpoint(path: str | Path) -> Family[Any]:
-    """The family of a local checkpoint directory, from its ``config.json`` ``model_type``."""
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{path} has no config.json; is it a checkpoint directory?")
-    model_type = json.loads(config_file.read_text()).get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise ValueError(
-            f"{path}: model_type {model_type!r} is not a supported family; known: {sorted(MODEL_TYPES)}"
-        )
-    return FAMILIES[MODEL_TYPES[model_type]]
+def detect_family(path: str | Path) -> Family[Any]:
+    """The family of a checkpoint (a local dir or a hub id): its ``config.json`` model type, else the first
+    family whose marker keys its ``preprocessor_config.json`` holds."""
+    config_file = checkpoint_file(path, "config.json")
+    model_type = json.loads(config_file.read_text()).get("model_type") if config_file else None
+    if model_type in MODEL_TYPES:
+        return FAMILIES[MODEL_TYPES[model_type]]
+    preprocessor_file = checkpoint_file(path, "preprocessor_config.json")
+    preprocessor = json.loads(preprocessor_file.read_text()) if preprocessor_file else {}
+    for family in FAMILIES.values():
+        if any(marker in preprocessor for marker in family.preprocessor_markers):
+            return family
+    if config_file is None:
+        raise ValueError(f"{path} has no config.json; is it a checkpoint directory or hub id?")
+    raise ValueError(
+        f"{path}: model type {model_type!r} is not supported; supported: {sorted(MODEL_TYPES)}"
+    )
 
 
 def vllm_modality_of(family_name: str) -> str | None:
@@ -66,13 +83,17 @@ def vllm_modality_of(family_name: str) -> str | None:
 __all__ = [
     "BACKENDS",
     "FAMILIES",
+    "MODEL_TYPES",
     "PRESETS",
+    "Backend",
     "Family",
     "KimiK25Config",
     "KimiK25Family",
     "Layout",
+    "Preset",
     "check_backend",
-    "family_of_checkpoint",
+    "checkpoint_file",
+    "detect_family",
     "QwenVLConfig",
     "QwenVLFamily",
     "get_family",

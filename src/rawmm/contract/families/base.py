@@ -9,13 +9,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Literal, TypeVar, get_args
 
 from rawmm.contract.errors import InvalidImageRef
 
 # transformers' two image-processor backends; they produce different pixel values, so a processor
-# identity (and its fingerprint) names the backend.
-BACKENDS: tuple[str, ...] = ("pil", "torchvision")
+# identity (and its fingerprint) names the backend. The run config's processor_backend is this type.
+Backend = Literal["pil", "torchvision"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 FINGERPRINT_HEX_CHARS = 16
 
@@ -81,7 +82,21 @@ class Family(ABC, Generic[ConfigT]):
     # The single token the chat template renders per image, expanded to the layout's placeholder count.
     placeholder_token: ClassVar[str]
     config_type: ClassVar[type]
+    # The family's record: everything else (the run config's preset type, model_type detection) derives
+    # from these. `preset_names` is a Literal type so the run config can type-check presets.
+    preset_names: ClassVar[Any]
     presets: ClassVar[Mapping[str, Any]]
+    # config.json `model_type` values of the family's checkpoints.
+    model_types: ClassVar[tuple[str, ...]]
+    # preprocessor_config.json keys that identify the family when config.json names no known model_type.
+    preprocessor_markers: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if set(get_args(cls.preset_names)) != set(cls.presets):
+            raise TypeError(
+                f"{cls.__name__}: preset_names {get_args(cls.preset_names)} != presets {set(cls.presets)}"
+            )
 
     @property
     def engine_modality(self) -> str:

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rawmm.contract.families.base import Family, Layout, check_size, parse_grid_list, read_preprocessor_config
 
@@ -35,11 +35,18 @@ def _merge_size(value: Any) -> int:
     return int(value)
 
 
+KimiK25Preset = Literal["kimi_k25"]
+
+
 class KimiK25Family(Family[KimiK25Config]):
     name = "kimi_k25"
     vllm_modality = "vision_chunk"
     placeholder_token = "<|media_pad|>"
     config_type = KimiK25Config
+    model_types = ("kimi_k25",)
+    # Kimi checkpoints with remote code may name another model_type; their processor config says Kimi.
+    preprocessor_markers = ("media_proc_cfg",)
+    preset_names = KimiK25Preset
     presets = {"kimi_k25": KimiK25Config()}
 
     def config_from_mapping(self, cfg: Mapping[str, Any]) -> KimiK25Config:

@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rawmm.contract.families.base import Family, Layout, check_size, parse_grid_list
 
@@ -52,10 +52,16 @@ def _channels(value: Any) -> tuple[float, ...]:
     return tuple(float(v) for v in value)
 
 
+QwenVLPreset = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+
+
 class QwenVLFamily(Family[QwenVLConfig]):
     name = "qwen_vl"
     placeholder_token = "<|image_pad|>"
     config_type = QwenVLConfig
+    # Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense and MoE) share one image processor.
+    model_types = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+    preset_names = QwenVLPreset
     presets = {
         "qwen2_vl": QwenVLConfig(14, 2, 2, 3136, 12845056, CLIP_MEAN, CLIP_STD),
         "qwen2_5_vl": QwenVLConfig(14, 2, 2, 3136, 12845056, CLIP_MEAN, CLIP_STD),
