@@ -168,3 +168,10 @@ def test_engine_items_are_read_only_mappings(
     item = engine_item(make_ref(noise(60, 60), loaded), loaded, offload_store)
     with pytest.raises(TypeError):
         item.tensors["pixel_values"] = torch.zeros(1)  # type: ignore[index]
+
+
+def test_every_family_has_an_adapter() -> None:
+    from rawmm.contract import FAMILIES
+
+    for name in FAMILIES:
+        assert get_adapter(name).family_name == name
