@@ -117,7 +117,27 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _model_config(preset: str, tokenizer: Any, image: QwenVLConfig) -> Any:
+@dataclasses.dataclass(frozen=True)
+class TinyShape:
+    """The sizes of a tiny model. Attention head sizes are ones real kernels take: vLLM's CPU attention
+    needs a head_dim of 32, 64, 80, 96, 112, 128, ...; GPU kernels are tuned for 128."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vision_hidden_size: int
+    vision_heads: int
+    # M-RoPE split of head_dim / 2 rotary frequencies over (t, h, w); Qwen2-VL's contiguous, Qwen3-VL's interleaved
+    qwen2_mrope_section: tuple[int, int, int]
+    qwen3_mrope_section: tuple[int, int, int]
+
+
+CPU_SHAPE = TinyShape(64, 2, 1, 32, 32, 2, (4, 6, 6), (8, 4, 4))
+GPU_SHAPE = TinyShape(256, 2, 1, 128, 128, 2, (16, 24, 24), (24, 20, 20))
+
+
+def _model_config(preset: str, tokenizer: Any, image: QwenVLConfig, shape: TinyShape) -> Any:
     ids = {
         name: tokenizer.convert_tokens_to_ids(token)
         for name, token in (
@@ -130,11 +150,11 @@ def _model_config(preset: str, tokenizer: Any, image: QwenVLConfig) -> Any:
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
     text: dict[str, Any] = {
         "vocab_size": _round_up(len(tokenizer), 64),
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": 2 * shape.hidden_size,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6,
         "bos_token_id": None,
@@ -145,17 +165,18 @@ def _model_config(preset: str, tokenizer: Any, image: QwenVLConfig) -> Any:
     if preset == "qwen2_vl":
         from transformers import Qwen2VLConfig
 
-        # head_dim 16 -> 8 rotary frequencies split over (t, h, w)
+        if shape.hidden_size != shape.num_attention_heads * shape.head_dim:
+            raise ValueError("Qwen2-VL derives head_dim from hidden_size / num_attention_heads")
         text["rope_parameters"] = {
             "rope_type": "default",
             "rope_theta": 1_000_000.0,
-            "mrope_section": [2, 3, 3],
+            "mrope_section": list(shape.qwen2_mrope_section),
         }
         vision = {
             "depth": 2,
-            "embed_dim": 32,
-            "hidden_size": 64,
-            "num_heads": 2,
+            "embed_dim": shape.vision_hidden_size,
+            "hidden_size": shape.hidden_size,
+            "num_heads": shape.vision_heads,
             "mlp_ratio": 2,
             "patch_size": image.patch_size,
             "spatial_merge_size": image.merge_size,
@@ -164,19 +185,19 @@ def _model_config(preset: str, tokenizer: Any, image: QwenVLConfig) -> Any:
         return Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
     from transformers import Qwen3VLConfig
 
-    text["head_dim"] = 16
+    text["head_dim"] = shape.head_dim
     text["rope_parameters"] = {
         "rope_type": "default",
         "rope_theta": 5_000_000.0,
-        "mrope_section": [4, 2, 2],
+        "mrope_section": list(shape.qwen3_mrope_section),
         "mrope_interleaved": True,
     }
     vision = {
         "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "out_hidden_size": 64,
+        "hidden_size": shape.vision_hidden_size,
+        "intermediate_size": 2 * shape.vision_hidden_size,
+        "num_heads": shape.vision_heads,
+        "out_hidden_size": shape.hidden_size,
         "num_position_embeddings": 64,
         "deepstack_visual_indexes": [1],
         "patch_size": image.patch_size,
@@ -186,10 +207,13 @@ def _model_config(preset: str, tokenizer: Any, image: QwenVLConfig) -> Any:
     return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
 
 
-def build_tiny_model(preset: str, out: Path, seed: int = 0, *, max_pixels: int | None = None) -> Path:
+def build_tiny_model(
+    preset: str, out: Path, seed: int = 0, *, max_pixels: int | None = None, gpu_shape: bool = False
+) -> Path:
     """Write a tiny random-weight ``preset`` checkpoint (model, tokenizer, processor) to ``out``.
 
-    ``max_pixels`` defaults to ``TINY_MAX_TOKENS`` placeholder tokens' worth of pixels. The directory is
+    ``max_pixels`` defaults to ``TINY_MAX_TOKENS`` placeholder tokens' worth of pixels; ``gpu_shape`` gives
+    attention heads of 128 (GPU attention kernels) instead of the CPU shape's 32. The directory is
     written next to ``out`` and renamed into place, so ``out`` is either absent or complete.
     """
     if preset not in TINY_PRESETS:
@@ -215,7 +239,7 @@ def build_tiny_model(preset: str, out: Path, seed: int = 0, *, max_pixels: int |
         raise ValueError(f"max_pixels {max_pixels} is below the preset's min_pixels {image.min_pixels}")
 
     tokenizer = build_tokenizer()
-    config = _model_config(preset, tokenizer, image)
+    config = _model_config(preset, tokenizer, image, GPU_SHAPE if gpu_shape else CPU_SHAPE)
     model_class = Qwen2VLForConditionalGeneration if preset == "qwen2_vl" else Qwen3VLForConditionalGeneration
     processor_class = Qwen2VLProcessor if preset == "qwen2_vl" else Qwen3VLProcessor
     with torch.random.fork_rng(devices=[]):

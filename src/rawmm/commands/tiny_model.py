@@ -22,13 +22,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="image processor max_pixels (default: 256 placeholder tokens' worth, to keep demos fast)",
     )
+    parser.add_argument(
+        "--gpu-shape",
+        action="store_true",
+        help="attention head_dim 128 for GPU attention kernels (default: 32, which vLLM's CPU attention takes)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from rawmm.tiny import build_tiny_model
 
     try:
-        out = build_tiny_model(args.preset, args.out, seed=args.seed, max_pixels=args.max_pixels)
+        out = build_tiny_model(
+            args.preset, args.out, seed=args.seed, max_pixels=args.max_pixels, gpu_shape=args.gpu_shape
+        )
     except (OSError, ValueError) as exc:
         raise CliError(str(exc)) from None
     size = sum(path.stat().st_size for path in out.iterdir())

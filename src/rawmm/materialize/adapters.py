@@ -33,8 +33,13 @@ class FamilyAdapter(ABC):
         return get_family(self.family_name)
 
     @abstractmethod
-    def _process(self, processor: Any, images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
-        """Run the image processor: ``pixel_values`` (one row per patch) and ``grid_key`` (one row per image)."""
+    def _process(
+        self, processor: Any, images: Sequence[Image.Image], *, normalize: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """Run the image processor: ``pixel_values`` (one row per patch) and ``grid_key`` (one row per image).
+
+        ``normalize=False``: the resized pixels as ``uint8``, in the same patch layout (rescale and normalize
+        left to the model's device)."""
 
     def check_descriptor(self, descriptor: RawImageDescriptor, processor: LoadedProcessor) -> None:
         """The checks that need no pixels: family, modality and fingerprint (cheap, so done before any read)."""
@@ -86,7 +91,7 @@ class FamilyAdapter(ABC):
                 f"a {image.width}x{image.height} image takes {layout.num_placeholder_tokens} placeholder tokens, "
                 f"the request gives it {expected_placeholder_length}",
             )
-        outputs = self._process(processor.processor, [image])
+        outputs = self._process(processor.processor, [image], normalize=processor.pixels == "normalized")
         self._check_grids(outputs[self.grid_key], [descriptor])
         return EngineItem(
             modality=self.family.engine_modality,
@@ -118,9 +123,15 @@ class QwenVLAdapter(FamilyAdapter):
     # Qwen builds its M-RoPE positions itself from the grids and the token types.
     forward_policy = ForwardPolicy(pass_position_ids=False, requires_mm_token_type_ids=True)
 
-    def _process(self, processor: Any, images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
-        out = processor(images=list(images), return_tensors="pt")
-        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+    def _process(
+        self, processor: Any, images: Sequence[Image.Image], *, normalize: bool = True
+    ) -> dict[str, torch.Tensor]:
+        if normalize:
+            out = processor(images=list(images), return_tensors="pt")
+            return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+        out = processor(images=list(images), return_tensors="pt", do_rescale=False, do_normalize=False)
+        # The torchvision backend keeps uint8; the PIL backend returns the same whole values as float32.
+        return {"pixel_values": out["pixel_values"].to(torch.uint8), "image_grid_thw": out["image_grid_thw"]}
 
 
 class KimiK25Adapter(FamilyAdapter):
@@ -128,8 +139,10 @@ class KimiK25Adapter(FamilyAdapter):
     grid_key = "grid_thws"
     forward_policy = ForwardPolicy(pass_position_ids=True, requires_mm_token_type_ids=False)
 
-    def _process(self, processor: Any, images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
-        return processor(images)
+    def _process(
+        self, processor: Any, images: Sequence[Image.Image], *, normalize: bool = True
+    ) -> dict[str, torch.Tensor]:
+        return processor(images, normalize=normalize)
 
 
 _ADAPTERS: dict[str, FamilyAdapter] = {

@@ -41,21 +41,22 @@ class KimiK25ImageProcessor:
         cfg["merge_kernel_size"] = cfg.pop("merge_size")
         return cfg
 
-    def __call__(self, images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
+    def __call__(self, images: Sequence[Image.Image], *, normalize: bool = True) -> dict[str, torch.Tensor]:
+        """``normalize=False``: the padded, resized pixels as uint8 patches (the device normalizes them)."""
         patches, grids = [], []
         for image in images:
-            image_patches, grid = self._process(image)
+            image_patches, grid = self._process(image, normalize)
             patches.append(image_patches)
             grids.append(grid)
         patch = self.config.patch_size
         return {
             "pixel_values": torch.from_numpy(np.concatenate(patches))
             if patches
-            else torch.empty(0, 3, patch, patch),
+            else torch.empty(0, 3, patch, patch, dtype=torch.float32 if normalize else torch.uint8),
             "grid_thws": torch.tensor(grids, dtype=torch.int64).reshape(-1, 3),
         }
 
-    def _process(self, image: Image.Image) -> tuple[np.ndarray, list[int]]:
+    def _process(self, image: Image.Image, normalize: bool) -> tuple[np.ndarray, list[int]]:
         if image.mode != "RGB":
             image = image.convert("RGB")
         layout = get_family("kimi_k25").describe(width=image.width, height=image.height, config=self.config)
@@ -64,7 +65,7 @@ class KimiK25ImageProcessor:
         patch = self.config.patch_size
         canvas = np.zeros((grid_h * patch, grid_w * patch, 3), dtype=np.uint8)
         canvas[:new_h, :new_w] = self._resize(image, new_w, new_h)
-        pixels = self._lut[canvas, np.arange(3)]  # (H, W, 3) float32
+        pixels = self._lut[canvas, np.arange(3)] if normalize else canvas  # (H, W, 3) float32 | uint8
         patches = (
             pixels.reshape(grid_h, patch, grid_w, patch, 3)
             .transpose(0, 2, 4, 1, 3)  # (gh, gw, C, ph, pw): patches in row-major grid order

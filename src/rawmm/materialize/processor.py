@@ -4,6 +4,13 @@ transformers 5 ships two image-processor backends (PIL and torchvision) whose pi
 to ~0.03, so the trainer and the engines of one run must load the same one. The backend is always
 chosen explicitly, and the identity (hence the fingerprint refs are checked against) is read back from
 the processor actually loaded — never from what was asked for — so a silent fallback cannot go unseen.
+
+Engine items come as one of two pixel representations (``PIXELS``): ``normalized`` float32 model inputs
+(the trainer, the transformers engine), or the ``uint8`` resized pixels before rescale and normalize, for
+an engine whose vision tower normalizes on the device (vLLM's ``mm_device_do_normalize``): 4x smaller in
+the cache and on the way to the engine core. The representation is part of the identity (hence of every
+cache key), not of the fingerprint: both reach the model as the same normalized values, up to fp32
+rounding of the one affine transform.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from typing import Any
 
 from rawmm.contract.families import BACKENDS, Family, checkpoint_file, detect_family
 
+PIXELS: tuple[str, ...] = ("normalized", "uint8")
 
 @dataclass(frozen=True)
 class LoadedProcessor:
@@ -26,7 +34,8 @@ class LoadedProcessor:
     family: Family[Any]
     config: Any
     backend: str
-    identity: str  # canonical JSON: family, config, backend and the processor class (a cache-key part)
+    pixels: str  # one of PIXELS: what engine items carry
+    identity: str  # canonical JSON of family, config, backend, pixels, processor class (a cache-key part)
     fingerprint: str  # the family's short digest of (config, backend), as carried in refs
 
 
@@ -82,7 +91,7 @@ def _load_image_processor(path: str, family: Family[Any], backend: str, trust_re
 
 
 @functools.lru_cache(maxsize=16)
-def _load(path: str, backend: str, trust_remote_code: bool) -> LoadedProcessor:
+def _load(path: str, backend: str, trust_remote_code: bool, pixels: str) -> LoadedProcessor:
     family = detect_family(path)
     processor = _load_image_processor(path, family, backend, trust_remote_code)
     loaded_backend = backend_of(processor)
@@ -97,6 +106,7 @@ def _load(path: str, backend: str, trust_remote_code: bool) -> LoadedProcessor:
             "family": family.name,
             "config": dataclasses.asdict(config),
             "backend": loaded_backend,
+            "pixels": pixels,
             "class": f"{type(processor).__module__}.{type(processor).__qualname__}",
         },
         sort_keys=True,
@@ -107,17 +117,21 @@ def _load(path: str, backend: str, trust_remote_code: bool) -> LoadedProcessor:
         family=family,
         config=config,
         backend=loaded_backend,
+        pixels=pixels,
         identity=identity,
         fingerprint=family.fingerprint(config, loaded_backend),
     )
 
 
 def load_processor(
-    path: str | Path, backend: str = "pil", trust_remote_code: bool = False
+    path: str | Path, backend: str = "pil", trust_remote_code: bool = False, pixels: str = "normalized"
 ) -> LoadedProcessor:
-    """The image processor of checkpoint ``path`` (a local dir or a hub id) with ``backend``; cached."""
+    """The image processor of checkpoint ``path`` (a local dir or a hub id) with ``backend``, making engine
+    items of the ``pixels`` representation; cached."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown image-processor backend {backend!r}; expected one of {BACKENDS}")
+    if pixels not in PIXELS:
+        raise ValueError(f"unknown pixel representation {pixels!r}; expected one of {PIXELS}")
     local = Path(path)
     key = str(local.resolve()) if local.exists() else str(path)
-    return _load(key, backend, trust_remote_code)
+    return _load(key, backend, trust_remote_code, pixels)

@@ -22,6 +22,10 @@ class InvalidRequest(ValueError):
         self.reason = reason
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine cannot serve right now (its vLLM engine core died): HTTP 503, ``/health`` unhealthy."""
+
+
 @dataclass(frozen=True)
 class ImageInput:
     """One image of a request: where it sits in the prompt, and its materialized item."""

