@@ -1,10 +1,12 @@
-"""kopf wiring: one loop (a kopf daemon) per RLRun runs `Reconciler.reconcile`, woken by spec changes and
+"""kopf wiring: one loop (an asyncio task) per RLRun runs `Reconciler.reconcile`, woken by spec changes and
 by events of the run's children, and at least every `resync_seconds`.
 
 One loop per run serializes its passes and coalesces bursts of child events into one pass. It starts
-when a run appears (creation, or the operator starting: resume) and stops when the run is deleted
-(children go with it by owner references). An invalid spec is reported once and waits for the next
-generation; API errors retry with backoff: neither crash-loops.
+when a run is first seen (creation, or the operator starting: kopf lists every run) and stops when the
+run is deleted (children go with it by owner references). The loops are driven by watch events only, so
+RLRuns carry no finalizer: `kubectl delete rlrun` never waits for an operator, installed or not. An
+invalid spec is reported once and waits for the next generation; API errors and refused children retry
+with backoff: neither crash-loops.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -43,12 +45,6 @@ DEFAULT_TIMING = LoopTiming()
 
 def operator_settings() -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
-    settings.persistence.finalizer = f"{API_GROUP}/finalizer"
-    # Keep kopf's bookkeeping in annotations: the status schema is ours alone.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=API_GROUP, key="last-handled-configuration"
-    )
     settings.posting.reporting_component = "rawmm-operator"
     settings.peering.standalone = True
     # Filter child watches on the server: only objects labelled with a run, never every Job in the cluster.
@@ -57,23 +53,52 @@ def operator_settings() -> kopf.OperatorSettings:
     return settings
 
 
+@dataclass
+class _Loop:
+    """A run's loop: its task, what wakes it, and the newest body seen (events are posted on it)."""
+
+    body: dict[str, Any]
+    woken: asyncio.Event = field(default_factory=asyncio.Event)
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def generation(self) -> int | None:
+        return self.body.get("metadata", {}).get("generation")
+
+
 def build_registry(
     reconciler: Reconciler, *, login: Callable[..., Any], timing: LoopTiming = LoopTiming()
 ) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
-    wakeups: dict[tuple[str, str], asyncio.Event] = {}
+    loops: dict[tuple[str, str], _Loop] = {}
     phases = PhaseTracker()
 
     def wake(namespace: str | None, name: str | None) -> None:
-        event = wakeups.get((namespace or "", name or ""))
-        if event is not None:
-            event.set()
+        loop = loops.get((namespace or "", name or ""))
+        if loop is not None:
+            loop.woken.set()
 
     kopf.on.login(registry=registry)(login)
 
-    @kopf.on.update(API_GROUP, API_VERSION, PLURAL, field="spec", registry=registry)
-    async def spec_changed(namespace: str, name: str, **_: Any) -> None:
-        wake(namespace, name)
+    @kopf.on.event(API_GROUP, API_VERSION, PLURAL, id="rlrun", registry=registry)
+    async def run_event(event: dict[str, Any], namespace: str, name: str, logger: Any, **_: Any) -> None:
+        key = (namespace, name)
+        body = dict(event.get("object") or {})
+        if event.get("type") == "DELETED":
+            loop = loops.pop(key, None)
+            if loop is not None:
+                loop.stopped.set()
+            return
+        loop = loops.get(key)
+        if loop is None:
+            loop = loops[key] = _Loop(body)
+            loop.task = asyncio.create_task(run_loop(key, loop, logger), name=f"rlrun {namespace}/{name}")
+            return
+        spec_changed = body.get("metadata", {}).get("generation") != loop.generation
+        loop.body = body
+        if spec_changed:  # its own status writes change no generation: they wake nothing
+            loop.woken.set()
 
     for group, version, plural in WATCHED_CHILDREN:
 
@@ -83,6 +108,13 @@ def build_registry(
         async def child_changed(namespace: str, labels: dict[str, str], **_: Any) -> None:
             wake(namespace, labels[RUN_LABEL])
 
+    @kopf.on.cleanup(registry=registry)
+    async def stop_loops(**_: Any) -> None:
+        running = [loop for loop in loops.values() if loop.task is not None]
+        for loop in running:
+            loop.stopped.set()
+        await asyncio.gather(*(loop.task for loop in running if loop.task), return_exceptions=True)
+
     def timed_reconcile(namespace: str, name: str) -> Outcome | None:
         started = time.perf_counter()
         try:
@@ -90,18 +122,14 @@ def build_registry(
         finally:
             RECONCILE_SECONDS.observe(time.perf_counter() - started)
 
-    @kopf.daemon(API_GROUP, API_VERSION, PLURAL, id="reconcile", cancellation_timeout=10, registry=registry)
-    async def run_loop(
-        namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped, logger: Any, **_: Any
-    ) -> None:
-        key = (namespace, name)
-        woken = wakeups.setdefault(key, asyncio.Event())
+    async def run_loop(key: tuple[str, str], loop: _Loop, logger: Any) -> None:
+        namespace, name = key
         failures = 0
         blocked_generation: int | None = None  # the invalid generation we wait to see replaced
         try:
-            while not stopped:
-                woken.clear()
-                if blocked_generation is None or body.metadata.get("generation") != blocked_generation:
+            while not loop.stopped.is_set():
+                loop.woken.clear()
+                if blocked_generation is None or loop.generation != blocked_generation:
                     try:
                         outcome = await asyncio.to_thread(timed_reconcile, namespace, name)
                     except Exception as exc:  # API errors and bugs alike: report, back off, retry
@@ -112,9 +140,8 @@ def build_registry(
                             exc_info=not isinstance(exc, ApiError),
                         )
                         if failures == 1:
-                            kopf.warn(body, reason="ReconcileError", message=str(exc))
-                        backoff = timing.error_backoffs[min(failures, len(timing.error_backoffs)) - 1]
-                        await _sleep_until(None, stopped, backoff)
+                            kopf.warn(loop.body, reason="ReconcileError", message=str(exc))
+                        await _sleep_until(None, loop.stopped, _backoff(timing, failures))
                         continue
                     if outcome is not None and outcome.applying.rejected:
                         # A refused child (quota, webhook, immutable field): retry with backoff, the
@@ -126,7 +153,7 @@ def build_registry(
                     if outcome is not None:
                         for transition in outcome.transitions:
                             kopf.event(
-                                body,
+                                outcome.body,
                                 type=transition.type,
                                 reason=transition.reason,
                                 message=transition.message,
@@ -137,25 +164,28 @@ def build_registry(
                         )
                         if not outcome.applying.rejected:
                             RECONCILES.labels(result="invalid" if outcome.invalid else "success").inc()
-                wait = timing.resync_seconds
-                if failures:
-                    wait = timing.error_backoffs[min(failures, len(timing.error_backoffs)) - 1]
-                await _sleep_until(woken, stopped, wait)
+                wait = _backoff(timing, failures) if failures else timing.resync_seconds
+                await _sleep_until(loop.woken, loop.stopped, wait)
         finally:
-            wakeups.pop(key, None)
+            if loops.get(key) is loop:
+                del loops[key]
             phases.forget(key)
             reconciler.forget(namespace, name)
 
     return registry
 
 
-async def _sleep_until(woken: asyncio.Event | None, stopped: kopf.DaemonStopped, timeout: float) -> None:
+def _backoff(timing: LoopTiming, failures: int) -> float:
+    return timing.error_backoffs[min(failures, len(timing.error_backoffs)) - 1]
+
+
+async def _sleep_until(woken: asyncio.Event | None, stopped: asyncio.Event, timeout: float) -> None:
     """Sleep `timeout` seconds, less if woken or stopped."""
-    waiters = [asyncio.ensure_future(stopped.wait(timeout))]
+    waiters = [asyncio.ensure_future(stopped.wait())]
     if woken is not None:
         waiters.append(asyncio.ensure_future(woken.wait()))
     try:
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for waiter in waiters:
             waiter.cancel()

@@ -211,7 +211,7 @@ async def _run_life(cluster: Any, namespaces: list[str]) -> set[Access]:
         )  # fmt: skip
         await _wait_for(
             lambda: cluster.object("rawmm.dev/v1alpha1/rlruns", RUN_NAMESPACE, name) is None,
-            "the operator releases its finalizer",
+            "the RLRun is gone (it carries no finalizer)",
         )
     finally:
         stop.set()

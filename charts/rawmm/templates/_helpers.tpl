@@ -45,8 +45,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{/*
-The operator's rules on RLRuns and their children: exactly the requests its handlers make. kopf lists,
-watches and patches RLRuns (finalizer, bookkeeping annotations) and posts events; the reconciler reads
+The operator's rules on RLRuns and their children: exactly the requests its handlers make. kopf lists and
+watches RLRuns (no finalizer, no bookkeeping annotations: it never writes an RLRun) and posts events; the reconciler reads
 each child, server-side applies it (a patch that creates an absent object, so create too), lists the
 run's children to delete (prune) those no longer built, deletes a Job whose template changed, reads a
 pending claim's events, creates the run's weights-token Secret once (never reads it), and writes the RLRun's status;
@@ -55,7 +55,7 @@ kopf watches the StatefulSets, Jobs and PVCs a run owns.
 {{- define "rawmm.operatorRules" -}}
 - apiGroups: [rawmm.dev]
   resources: [rlruns]
-  verbs: [get, list, watch, patch]
+  verbs: [get, list, watch]
 - apiGroups: [rawmm.dev]
   resources: [rlruns/status]
   verbs: [patch]

@@ -1,0 +1,393 @@
+"""The operator's production behaviour (#12) on a real control plane (tests/kube): the chart installed with
+Helm, the real `rawmm operator` running as the chart's ServiceAccount, kube-controller-manager's Job,
+StatefulSet and garbage-collector controllers, kwok's fake nodes.
+
+Server-side apply reverts drift and prunes children no longer built; a Job whose template changed is
+replaced; a pending claim says why; a child the server refuses is a condition and a retry, not a failed
+run; an eviction does not fail the run; a finished run releases its pods; a queue's suspend is never
+overruled; child watches are filtered by the run label on the server; events only on transitions;
+activeDeadlineSeconds and ttlSecondsAfterFinished."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from kube.cluster import KubeCluster, OperatorProcess, wait_for
+from kube.installs import RELEASE_NAMESPACE, helm_release
+from prometheus_client.parser import text_string_to_metric_families
+
+from rawmm_operator.builders import RUN_LABEL, TEMPLATE_HASH
+from rawmm_operator.spec import default_image
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+TIMEOUT = 60
+# Small enough for the fake nodes (3 x 8 GPUs), the default (test) storage class binds its claim.
+SPEC: dict[str, Any] = {
+    "model": {"name": "Qwen/Qwen3-VL-4B-Instruct", "preset": "qwen3_vl"},
+    "offload": {"size": "20Gi", "retainOnDelete": False},
+    "inference": {"replicas": 2, "gpus": 1, "materializeCacheSize": "4Gi"},
+    "trainer": {"gpusPerNode": 2, "steps": 10},
+}
+CHILD_KINDS = "configmaps,services,statefulsets,jobs,podmonitors"
+
+
+@dataclass(frozen=True)
+class Operator:
+    user: str  # the chart's ServiceAccount, as the API server names it
+    process: OperatorProcess
+
+    def reconciles(self) -> float:
+        """Passes so far (every result): a clock of the operator's own work."""
+        text = httpx.get(self.process.metrics_url, timeout=5).text
+        return sum(
+            s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "rawmm_operator_reconciles_total"
+        )
+
+
+@pytest.fixture(scope="module")
+def operator(kube_cluster: KubeCluster) -> Iterator[Operator]:
+    """The chart (with the prometheus-operator CRDs present) and its operator, cluster-wide, as the
+    chart's ServiceAccount: a grant the behaviour needs and the chart lacks is a real 403 here."""
+    kube_cluster.monitoring_crds(True)
+    with helm_release(kube_cluster) as release:
+        (account,) = [
+            doc["metadata"]["name"]
+            for doc in yaml.safe_load_all(release["manifest"])
+            if doc and doc["kind"] == "ServiceAccount"
+        ]
+        kubeconfig = kube_cluster.service_account_kubeconfig(RELEASE_NAMESPACE, account)
+        with kube_cluster.operator(kubeconfig, args=("--resync-seconds=2",)) as process:
+            yield Operator(f"system:serviceaccount:{RELEASE_NAMESPACE}:{account}", process)
+
+
+@dataclass
+class Run:
+    cluster: KubeCluster
+    namespace: str
+    operator: Operator
+    name: str = "exp"
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> str:
+        return self.cluster.kubectl(*args, "-n", self.namespace, input=input, check=check).stdout
+
+    def get(self, *args: str) -> dict[str, Any]:
+        return json.loads(self.kubectl("get", "-o", "json", *args))
+
+    def find(self, kind: str, name: str) -> dict[str, Any] | None:
+        out = self.cluster.kubectl("get", kind, name, "-n", self.namespace, "-o", "json", check=False)
+        return json.loads(out.stdout) if out.returncode == 0 else None
+
+    def create(self, spec: dict[str, Any], labels: dict[str, str] | None = None) -> None:
+        body = {
+            "apiVersion": "rawmm.dev/v1alpha1",
+            "kind": "RLRun",
+            "metadata": {"name": self.name, "labels": labels or {}},
+            "spec": spec,
+        }
+        self.kubectl("apply", "-f", "-", input=json.dumps(body))
+
+    def patch(self, spec: dict[str, Any]) -> None:
+        self.kubectl("patch", "rlrun", self.name, "--type=merge", "-p", json.dumps({"spec": spec}))
+
+    def status(self) -> dict[str, Any]:
+        return self.get("rlrun", self.name).get("status") or {}
+
+    def condition(self, type_: str) -> dict[str, Any]:
+        return next((c for c in self.status().get("conditions", []) if c["type"] == type_), {})
+
+    def children(self) -> dict[tuple[str, str], dict[str, Any]]:
+        items = self.get(CHILD_KINDS, "-l", f"{RUN_LABEL}={self.name}")["items"]
+        return {(item["kind"], item["metadata"]["name"]): item for item in items}
+
+    def pods(self, component: str) -> list[dict[str, Any]]:
+        selector = f"{RUN_LABEL}={self.name},app.kubernetes.io/component={component}"
+        return self.get("pods", "-l", selector)["items"]
+
+    def running(self, component: str) -> list[dict[str, Any]]:
+        return [p for p in self.pods(component) if p["status"].get("phase") == "Running"]
+
+    def until(self, check: Any, what: str, timeout: float = TIMEOUT) -> Any:
+        try:
+            return wait_for(check, what, timeout, 0.3)
+        except TimeoutError as exc:
+            log = self.operator.process.log()[-4000:]
+            raise AssertionError(f"{exc}; status {self.status()}\n--- operator log ---\n{log}") from None
+
+    def wait_running(self) -> None:
+        for component, count in (
+            ("engine", SPEC["inference"]["replicas"]),
+            ("orchestrator", 1),
+            ("trainer", 1),
+        ):
+            self.until(lambda c=component, n=count: len(self.running(c)) == n, f"{count} {component} Running")
+        self.until(lambda: self.status().get("phase") == "Running", "phase Running")
+
+    def events(self) -> list[dict[str, Any]]:
+        selector = f"involvedObject.kind=RLRun,involvedObject.name={self.name}"
+        return self.get("events", "--field-selector", selector)["items"]
+
+    def set_pod_status(self, pod: str, status: dict[str, Any]) -> None:
+        self.kubectl(
+            "patch", "pod", pod, "--subresource=status", "--type=merge", "-p", json.dumps({"status": status})
+        )
+
+
+@pytest.fixture
+def run(kube_cluster: KubeCluster, operator: Operator) -> Iterator[Run]:
+    namespace = kube_cluster.namespace("op")
+    yield Run(kube_cluster, namespace, operator)
+    kube_cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+
+
+def test_children_are_applied_server_side_drift_is_reverted_and_unbuilt_children_are_pruned(run: Run) -> None:
+    run.create({**SPEC, "trainer": {**SPEC["trainer"], "nodes": 2}})
+    run.until(lambda: ("Service", "exp-trainer") in run.children(), "the trainer rendezvous Service")
+    run.until(lambda: ("PodMonitor", "exp") in run.children(), "the PodMonitor")
+    children = run.children()
+    engines = children[("StatefulSet", "exp-engine")]
+    managers = {(f["manager"], f["operation"]) for f in engines["metadata"]["managedFields"]}
+    assert ("rawmm-operator", "Apply") in managers
+    # An image the spec does not name is the operator's release, resolved now (the stored spec has none).
+    stored = run.get("rlrun", run.name)["spec"]
+    assert stored["trainer"]["image"] == ""
+    trainer_job = children[("Job", "exp-trainer")]
+    assert trainer_job["spec"]["template"]["spec"]["containers"][0]["image"] == default_image("trainer")
+    # The weights token exists, owned by the run, and reaches the engines.
+    secret = run.get("secret", "exp-weights")
+    assert secret["data"]["token"] and secret["metadata"]["ownerReferences"][0]["name"] == run.name
+    env = engines["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {
+        "name": "RAWMM_WEIGHTS_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "exp-weights", "key": "token"}},
+    } in env
+
+    # Drift on fields the operator owns is reverted.
+    run.kubectl("scale", "statefulset", "exp-engine", "--replicas=5")
+    run.kubectl("label", "service", "exp-engine", f"{RUN_LABEL}=someone-else", "--overwrite")
+    run.until(lambda: run.get("statefulset", "exp-engine")["spec"]["replicas"] == 2, "replicas reverted")
+    run.until(
+        lambda: run.get("service", "exp-engine")["metadata"]["labels"][RUN_LABEL] == run.name,
+        "label reverted",
+    )
+
+    # Children no longer built are deleted.
+    run.patch({"monitoring": {"podMonitor": False}})
+    run.until(lambda: run.find("podmonitor", "exp") is None, "the PodMonitor pruned")
+    run.patch({"trainer": {"nodes": 1}})
+    run.until(lambda: run.find("service", "exp-trainer") is None, "the rendezvous Service pruned")
+    # ... and the trainer Job, whose template changed (completions), replaced by a new one.
+    replaced = run.until(
+        lambda: (
+            (job := run.find("job", "exp-trainer"))
+            and job["metadata"]["uid"] != trainer_job["metadata"]["uid"]
+            and job
+        ),
+        "the trainer Job replaced",
+    )
+    assert replaced["spec"]["completions"] == 1
+    assert run.until(lambda: run.condition("Reconciled").get("reason") == "Applied", "Reconciled again")
+
+
+def test_a_job_whose_template_changed_is_replaced_after_its_pods_are_gone(run: Run) -> None:
+    run.create(SPEC)
+    run.wait_running()
+    (old_pod,) = run.running("trainer")
+    old_job = run.get("job", "exp-trainer")
+    run.patch({"trainer": {"steps": 20}})
+
+    def replaced() -> dict[str, Any] | None:
+        job = run.find("job", "exp-trainer")
+        return job if job and job["metadata"]["uid"] != old_job["metadata"]["uid"] else None
+
+    new_job = run.until(replaced, "a new trainer Job")
+    assert (
+        new_job["metadata"]["annotations"][TEMPLATE_HASH] != old_job["metadata"]["annotations"][TEMPLATE_HASH]
+    )
+    config = yaml.safe_load(run.get("configmap", "exp-config")["data"]["run.yaml"])
+    assert config["trainer"]["steps"] == 20
+    # The new Job's pods start only once the old one's are gone: never two trainers on one checkpoint dir.
+    run.until(lambda: len(run.running("trainer")) == 1, "the new trainer pod Running")
+    pods = run.pods("trainer")
+    assert [p["metadata"]["uid"] for p in pods] != [old_pod["metadata"]["uid"]] and len(pods) == 1
+    assert run.status()["phase"] == "Running"
+
+
+def test_a_pending_claim_says_why(run: Run) -> None:
+    run.create({**SPEC, "offload": {"size": "20Gi", "storageClassName": "nfs-client"}})
+    volume = run.until(
+        lambda: (c := run.condition("OffloadVolumeReady")) and "nfs-client" in c.get("message", "") and c,
+        "the claim's event in OffloadVolumeReady",
+    )
+    assert volume["status"] == "False" and volume["reason"] == "ClaimPending"
+    assert re.search(r"is Pending: \w+: ", volume["message"]), volume["message"]  # "<reason>: <message>"
+    assert run.status()["phase"] == "Pending"
+
+
+def test_a_refused_child_is_a_condition_and_retried_never_a_failed_run(run: Run) -> None:
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-jobs"},
+        "spec": {"hard": {"count/jobs.batch": "0"}},
+    }
+    run.kubectl("apply", "-f", "-", input=json.dumps(quota))
+    run.create(SPEC)
+    reconciled = run.until(
+        lambda: (c := run.condition("Reconciled")) and c.get("reason") == "ChildRejected" and c,
+        "the refused Jobs in Reconciled",
+    )
+    assert reconciled["status"] == "False" and "quota" in reconciled["message"], reconciled
+    assert "Job/exp-trainer" in reconciled["message"]
+    assert run.status()["phase"] != "Failed"
+    assert ("Warning", "ChildRejected") in {(e["type"], e["reason"]) for e in run.events()}
+    run.kubectl("delete", "resourcequota", "no-jobs")
+    run.until(lambda: run.find("job", "exp-trainer") is not None, "the Jobs created once the quota is gone")
+    run.until(lambda: run.condition("Reconciled").get("reason") == "Applied", "Reconciled again")
+
+
+def test_an_eviction_does_not_fail_the_run_and_a_replacement_pod_starts(run: Run) -> None:
+    run.create(SPEC)
+    run.wait_running()
+    (pod,) = run.running("trainer")
+    # What the kubelet reports for a pod evicted by a drain or preempted: Failed with DisruptionTarget.
+    run.set_pod_status(
+        pod["metadata"]["name"],
+        {
+            "phase": "Failed",
+            "conditions": [
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": "EvictionByEvictionAPI",
+                    "message": "drain",
+                }
+            ],
+            "containerStatuses": [
+                {
+                    "name": "trainer",
+                    "image": pod["spec"]["containers"][0]["image"],
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": 0,
+                    "state": {"terminated": {"exitCode": 137, "reason": "Error"}},
+                }
+            ],
+        },
+    )
+    replacement = run.until(
+        lambda: [p for p in run.running("trainer") if p["metadata"]["uid"] != pod["metadata"]["uid"]],
+        "a replacement trainer pod",
+    )
+    assert len(replacement) == 1
+    job = run.get("job", "exp-trainer")
+    assert not [
+        c for c in job["status"].get("conditions", []) if c["type"] == "Failed" and c["status"] == "True"
+    ]
+    assert run.status()["phase"] == "Running"
+
+
+def test_a_failed_run_releases_every_pod(run: Run) -> None:
+    run.create(SPEC)
+    run.wait_running()
+    (trainer,) = run.running("trainer")
+    run.cluster.finish_pod(run.namespace, trainer["metadata"]["name"], 1)
+    run.until(lambda: run.status().get("phase") == "Failed", "phase Failed")
+    # The orchestrator, which would wait forever for the trainer's checkpoints, is suspended: no pod left.
+    run.until(
+        lambda: run.get("job", "exp-orchestrator")["spec"]["suspend"] is True, "the orchestrator suspended"
+    )
+    run.until(lambda: not run.pods("orchestrator") and not run.pods("engine"), "every pod gone")
+    assert run.get("statefulset", "exp-engine")["spec"]["replicas"] == 0
+
+
+def test_a_queues_suspend_and_admission_are_never_overruled(run: Run) -> None:
+    run.create(SPEC, labels={"kueue.x-k8s.io/queue-name": "team-a"})
+    run.until(lambda: run.find("job", "exp-trainer") is not None, "the Jobs")
+    for job in ("exp-orchestrator", "exp-trainer"):
+        body = run.get("job", job)
+        assert (
+            body["spec"]["suspend"] is True
+            and body["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+        )
+    assert not run.pods("trainer")
+    # A queue admits the Jobs (as Kueue does): the operator leaves them running.
+    for job in ("exp-orchestrator", "exp-trainer"):
+        run.kubectl("patch", "job", job, "--type=merge", "-p", '{"spec": {"suspend": false}}')
+    run.until(lambda: len(run.running("trainer")) == 1, "the admitted trainer Running")
+    passes = run.operator.reconciles()
+    run.until(lambda: run.operator.reconciles() >= passes + 3, "three more passes")
+    assert run.get("job", "exp-trainer")["spec"]["suspend"] is False
+    # The queue preempts the run: the operator leaves it suspended too.
+    run.kubectl("patch", "job", "exp-trainer", "--type=merge", "-p", '{"spec": {"suspend": true}}')
+    passes = run.operator.reconciles()
+    run.until(lambda: run.operator.reconciles() >= passes + 3, "three more passes")
+    assert run.get("job", "exp-trainer")["spec"]["suspend"] is True
+    # The run's own suspend still reaches the Jobs.
+    run.patch({"suspend": True})
+    run.until(lambda: run.get("job", "exp-orchestrator")["spec"]["suspend"] is True, "the run's suspend")
+
+
+def test_events_are_posted_on_transitions_only(run: Run) -> None:
+    run.create(SPEC)
+    run.wait_running()
+    run.until(lambda: run.events(), "the first events")
+
+    def posted() -> list[tuple[str, int]]:
+        return sorted((e["reason"], e.get("count") or 1) for e in run.events())
+
+    before = posted()
+    passes = run.operator.reconciles()
+    run.until(lambda: run.operator.reconciles() >= passes + 5, "five more passes")
+    assert posted() == before
+
+
+def test_an_active_deadline_fails_the_run_and_a_ttl_deletes_a_finished_runs_children(run: Run) -> None:
+    run.create({**SPEC, "activeDeadlineSeconds": 2})
+    run.until(lambda: run.status().get("reason") == "DeadlineExceeded", "DeadlineExceeded")
+    assert run.status()["phase"] == "Failed"
+    run.until(lambda: not run.pods("trainer") and not run.pods("engine"), "its pods released")
+
+    done = Run(run.cluster, run.namespace, run.operator, name="done")
+    done.create({**SPEC, "ttlSecondsAfterFinished": 0})
+    done.wait_running()
+    for component in ("orchestrator", "trainer"):
+        (pod,) = done.running(component)
+        done.cluster.finish_pod(done.namespace, pod["metadata"]["name"], 0)
+    done.until(lambda: done.status().get("phase") == "Succeeded", "Succeeded")
+    done.until(lambda: not done.children(), "every child but the volume deleted")
+    assert done.find("secret", "done-weights") is None
+    assert done.find("pvc", "done-offload") is not None
+    assert done.status()["phase"] == "Succeeded"  # the RLRun stays
+
+
+def test_a_run_carries_no_finalizer_and_deletes_at_once(run: Run) -> None:
+    """`kubectl delete rlrun` must never wait for an operator (uninstalled, or stopped)."""
+    run.create(SPEC)
+    run.until(lambda: run.status().get("phase"), "a status")
+    assert not run.get("rlrun", run.name)["metadata"].get("finalizers")
+    run.kubectl("delete", "rlrun", run.name, "--wait=true", "--timeout=20s")
+    run.until(lambda: not run.children(), "its children collected")
+
+
+def test_child_watches_are_filtered_by_the_run_label_on_the_server(
+    kube_cluster: KubeCluster, operator: Operator
+) -> None:
+    watches = [
+        e
+        for e in kube_cluster.audit_events(operator.user)
+        if e["verb"] == "watch"
+        and (e.get("objectRef") or {}).get("resource") in ("jobs", "statefulsets", "persistentvolumeclaims")
+    ]
+    assert {e["objectRef"]["resource"] for e in watches} == {"jobs", "statefulsets", "persistentvolumeclaims"}
+    for event in watches:
+        assert "labelSelector=rawmm.dev%2Frun" in event["requestURI"], event["requestURI"]
