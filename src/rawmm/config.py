@@ -6,6 +6,7 @@ derives its sections from these models, so a field added here with a default app
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 # The families' own records decide which presets and backends exist.
 from rawmm.contract.families import Backend as ProcessorBackend
 from rawmm.contract.families import Preset
+from rawmm.duration import DURATION_PATTERN, parse_duration
 from rawmm.quantity import BYTE_SIZE_PATTERN, parse_byte_size
 
 Engine = Literal["transformers", "vllm"]
@@ -147,6 +149,59 @@ class MonitoringConfig(StrictModel):
     trainer_metrics_port: int = Field(default=9102, ge=0, le=65535)
 
 
+class RetentionConfig(StrictModel):
+    """Garbage collection of the offload volume (`rawmm gc`); off by default, so nothing is ever deleted.
+
+    A pass runs after each new checkpoint and removes the images unused for `older_than` that no batch
+    still waiting for training references (nor the last `keep_steps` trained ones).
+    """
+
+    enabled: bool = False
+    older_than: str = Field(
+        default="24h",
+        json_schema_extra={"pattern": DURATION_PATTERN},
+        description="an image unused for this long may go (e.g. 90m, 24h, 7d; at least 10m); it must exceed "
+        "the time from an image's last use in a rollout to its batch landing on the volume",
+    )
+    keep_steps: int = Field(default=0, ge=0, description="also keep the images of the last N trained steps")
+    metrics_port: int = Field(default=9103, ge=0, le=65535, description="/metrics of the GC process; 0 = none")
+
+    @field_validator("older_than")
+    @classmethod
+    def _older_than_is_safe(cls, value: str) -> str:
+        from rawmm.contract.gc import check_older_than
+
+        check_older_than(parse_duration(value))
+        return value
+
+    @property
+    def older_than_seconds(self) -> int:
+        return parse_duration(self.older_than)
+
+
+class OffloadConfig(StrictModel):
+    retention: RetentionConfig = Field(default_factory=RetentionConfig)
+
+
+@dataclass(frozen=True)
+class SharedDir:
+    """The layout of a run's shared directory, for the commands that get only its path (`rawmm gc`)."""
+
+    path: Path
+
+    @property
+    def offload_dir(self) -> Path:
+        return self.path / "images"
+
+    @property
+    def rollouts_dir(self) -> Path:
+        return self.path / "rollouts"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.path / "checkpoints"
+
+
 class RunConfig(StrictModel):
     name: str = Field(default="rawmm-run", min_length=1)
     model: ModelConfig
@@ -155,18 +210,19 @@ class RunConfig(StrictModel):
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
 
     @property
     def offload_dir(self) -> Path:
-        return self.shared_dir / "images"
+        return SharedDir(self.shared_dir).offload_dir
 
     @property
     def rollouts_dir(self) -> Path:
-        return self.shared_dir / "rollouts"
+        return SharedDir(self.shared_dir).rollouts_dir
 
     @property
     def checkpoints_dir(self) -> Path:
-        return self.shared_dir / "checkpoints"
+        return SharedDir(self.shared_dir).checkpoints_dir
 
     @classmethod
     def from_mapping(cls, data: Any, *, source: str = "run config") -> RunConfig:

@@ -1,0 +1,73 @@
+"""Who may import whom (docs/architecture.md, "Layers"): contract <- materialize <- serving / rl, the
+commands on top, and the operator on the run config alone. Every import counts, the lazy ones inside
+functions too (grimp reads them all)."""
+
+from __future__ import annotations
+
+import functools
+
+import grimp
+import pytest
+
+# Layer -> the packages it must never import (directly or lazily).
+FORBIDDEN: dict[str, set[str]] = {
+    "rawmm.contract": {
+        "rawmm.config",
+        "rawmm.materialize",
+        "rawmm.serving",
+        "rawmm.rl",
+        "rawmm.run",
+        "rawmm.commands",
+        "rawmm.cli",
+    },
+    "rawmm.materialize": {"rawmm.serving", "rawmm.rl", "rawmm.run", "rawmm.commands", "rawmm.cli"},
+    "rawmm.serving": {"rawmm.rl", "rawmm.run", "rawmm.commands", "rawmm.cli"},
+    "rawmm.rl": {"rawmm.serving", "rawmm.run", "rawmm.commands", "rawmm.cli"},
+    # The run config stays light: the operator and every process read it.
+    "rawmm.config": {"rawmm.materialize", "rawmm.serving", "rawmm.rl", "rawmm.run", "rawmm.commands"},
+}
+# What the operator may import of rawmm: the version, the run config and the value types it parses with.
+OPERATOR_MAY_IMPORT = {"rawmm", "rawmm.config", "rawmm.quantity", "rawmm.duration"}
+
+
+@functools.cache
+def graph() -> grimp.ImportGraph:
+    return grimp.build_graph("rawmm", "rawmm_operator", cache_dir=None)
+
+
+def within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def imports_of(package: str) -> set[tuple[str, str]]:
+    """(importer, imported) for every import made by a module of ``package``."""
+    return {
+        (module, imported)
+        for module in graph().modules
+        if within(module, package)
+        for imported in graph().find_modules_directly_imported_by(module)
+    }
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_a_layer_imports_nothing_above_it(layer: str) -> None:
+    illegal = sorted(
+        (importer, imported)
+        for importer, imported in imports_of(layer)
+        if any(within(imported, forbidden) for forbidden in FORBIDDEN[layer])
+    )
+    assert illegal == []
+
+
+def test_the_operator_imports_only_the_run_config_of_rawmm() -> None:
+    illegal = sorted(
+        (importer, imported)
+        for importer, imported in imports_of("rawmm_operator")
+        if within(imported, "rawmm") and imported not in OPERATOR_MAY_IMPORT
+    )
+    assert illegal == []
+
+
+def test_only_the_commands_import_the_operator() -> None:
+    importers = {importer for importer, imported in imports_of("rawmm") if within(imported, "rawmm_operator")}
+    assert importers and all(within(importer, "rawmm.commands") for importer in importers)
