@@ -78,7 +78,7 @@ def test_ingest_with_a_model_directory(
     [
         (["ingest", "/no/such/file.png", "--offload-root", "{tmp}"], "no such file or directory"),
         (["ingest", "{tmp}/empty", "--offload-root", "{tmp}"], "no image files found"),
-        (["ingest", "{tmp}/bad.png", "--offload-root", "{tmp}"], "not a readable image"),
+        (["ingest", "{tmp}/bad.png", "--offload-root", "{tmp}"], "not a decodable image"),
         (["ingest", "{tmp}/empty", "--offload-root", "{tmp}", "--model", "{tmp}"], "no config.json"),
         (["layout", "--preset", "qwen2_vl", "12x"], "WIDTHxHEIGHT"),
         (["layout", "--preset", "qwen2_vl", "1x300"], "aspect ratio"),

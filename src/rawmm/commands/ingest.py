@@ -1,9 +1,18 @@
-"""``rawmm ingest``: offload image files or folders into the store and print one JSON line per image."""
+"""``rawmm ingest``: offload image files or folders into the store and print one JSON line per image.
+
+All or nothing: every file is fully decoded first (the decoder the engines use, so a truncated PNG or a
+decompression bomb never enters the store) and, with a model, laid out; if any file fails, each failure
+is listed on stderr, nothing is written and the exit status is 2. A reader that closes the output early
+(``rawmm ingest … | head``) ends the ingest quietly with status 141, as a program killed by SIGPIPE does.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,6 +73,27 @@ def image_files(paths: list[Path]) -> Iterator[Path]:
             raise CliError(f"{path}: no such file or directory")
 
 
+def check_files(files: list[Path], model: tuple[Any, Any] | None) -> list[str]:
+    """One line per file that cannot be ingested: unreadable, not fully decodable, too large, no layout."""
+    from rawmm.contract import InvalidImageRef
+    from rawmm.materialize.read import DEFAULT_MAX_IMAGE_PIXELS, decode_image
+
+    problems = []
+    for file in files:
+        try:
+            image = decode_image(file.read_bytes(), max_pixels=DEFAULT_MAX_IMAGE_PIXELS, source=str(file))
+            if model is not None:
+                family, config = model
+                family.describe(width=image.width, height=image.height, config=config)
+        except InvalidImageRef as exc:  # decode_error or image_too_large; the message names the file
+            problems.append(exc.message)
+        except OSError as exc:
+            problems.append(f"{file}: cannot read: {exc.strerror or exc}")
+        except ValueError as exc:
+            problems.append(f"{file}: {exc}")
+    return problems
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -74,33 +104,29 @@ def run(args: argparse.Namespace) -> int:
     files = list(image_files(args.paths))
     if not files:
         raise CliError("no image files found")
+    problems = check_files(files, model)
+    if len(files) == 1 and problems:
+        raise CliError(problems[0])
+    if problems:
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        raise CliError(f"{len(problems)} of {len(files)} files cannot be ingested; nothing was written")
     store = OffloadStore(args.offload_root)
     fingerprint = model[0].fingerprint(model[1], args.backend) if model else None
     columns = (TextColumn("ingest"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     console = Console(stderr=True)
-    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
-        for file in progress.track(files, description="ingest"):
-            try:
-                stored = store.put(file)
-            except ImageIngestError as exc:
-                raise CliError(str(exc)) from None
-            line: dict[str, Any] = {
-                "source": str(file),
-                "uri": stored.uri,
-                "sha256": stored.sha256,
-                "mm_hash": stored.mm_hash,
-                "width": stored.width,
-                "height": stored.height,
-            }
-            if model is not None:
-                family, config = model
+    try:
+        with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
+            for file in progress.track(files, description="ingest"):
                 try:
                     descriptor, layout = describe_stored_image(
                         family, config, stored, fingerprint=fingerprint
                     )
-                except ValueError as exc:
-                    raise CliError(f"{file}: {exc}") from None
-                line["placeholder_tokens"] = layout.num_placeholder_tokens
-                line["ref"] = encode_ref(descriptor, stored.mm_hash)
-            print(json.dumps(line), flush=True)
+                    line["placeholder_tokens"] = layout.num_placeholder_tokens
+                    line["ref"] = encode_ref(descriptor, stored.mm_hash)
+                print(json.dumps(line), flush=True)
+    except BrokenPipeError:
+        # The reader is gone: nothing more to say, and no flush of stdout at exit may raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     return 0
