@@ -119,6 +119,19 @@ def run(args: argparse.Namespace) -> int:
         with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
             for file in progress.track(files, description="ingest"):
                 try:
+                    stored = store.put(file)
+                except ImageIngestError as exc:
+                    raise CliError(str(exc)) from None
+                line: dict[str, Any] = {
+                    "source": str(file),
+                    "uri": stored.uri,
+                    "sha256": stored.sha256,
+                    "mm_hash": stored.mm_hash,
+                    "width": stored.width,
+                    "height": stored.height,
+                }
+                if model is not None:
+                    family, config = model
                     descriptor, layout = describe_stored_image(
                         family, config, stored, fingerprint=fingerprint
                     )
