@@ -85,15 +85,26 @@ def _model_schema(model: type, mode: str) -> dict[str, Any]:
     return structural_schema(schema, schema.get("$defs", {}))
 
 
+def _filled(schema: dict[str, Any]) -> dict[str, Any]:
+    """The value the server stores for an absent object: every property with a default, recursively."""
+    value: dict[str, Any] = {}
+    for name, sub in schema.get("properties", {}).items():
+        if "default" in sub:
+            value[name] = copy.deepcopy(sub["default"])
+    return value
+
+
 def _with_default_objects(schema: dict[str, Any]) -> dict[str, Any]:
-    """Give every optional object property `default: {}` so the server applies the nested defaults
-    (the stored spec is then complete, and CEL rules see every field)."""
+    """Give every optional object property a default that is the object with its nested defaults applied,
+    so the stored spec is complete and CEL rules see every field. (Not `default: {}`: the server checks
+    each default against the schema and its CEL rules as written, without applying the nested defaults
+    first, so a rule reading `self.engine` would fail on `{}` and the CRD be refused.)"""
     required = set(schema.get("required", []))
     for name, sub in schema.get("properties", {}).items():
         if sub.get("type") == "object" and "properties" in sub:
+            _with_default_objects(sub)  # inner objects first: their defaults go into this one's
             if name not in required and "default" not in sub:
-                sub["default"] = {}
-            _with_default_objects(sub)
+                sub["default"] = _filled(sub)
     return schema
 
 
