@@ -1,4 +1,4 @@
-"""The operator's Prometheus metrics (DESIGN §7)."""
+"""The operator's Prometheus metrics (docs/architecture.md §8)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Run progress for the status: the trainer's step and the engines' cache hit rate, read from the
 pods' own Prometheus endpoints (the operator needs no Prometheus for its printer columns).
 
-The hit rate is a rate like everywhere else (DESIGN §7): hits over lookups between the two latest
-scrapes, never the ratio of the cumulative counters. Lookups are hits + misses + in-flight joins, as
+The hit rate is a rate like everywhere else (docs/architecture.md §8): hits over lookups between the two
+latest scrapes, never the ratio of the cumulative counters. Lookups are hits + misses + in-flight joins, as
 the cache itself counts them (and the chart's alert).
 """
 

@@ -1,4 +1,4 @@
-"""Prometheus metric objects shared by the engine and the trainer (DESIGN §7).
+"""Prometheus metric objects shared by the engine and the trainer (docs/architecture.md §8).
 
 Every process exports only what it owns. The metrics both sides use (labelled by ``side``) live in the
 default registry from import: a labelled metric shows no samples until a child is used, so the trainer
@@ -24,7 +24,9 @@ IMAGES_MATERIALIZED = Counter(
     ["side"],
 )
 INVALID_MM_IMAGE_REF = Counter(
-    "rawmm_invalid_mm_image_ref", "Raw image refs rejected, by reason (DESIGN §3.5)", ["reason"]
+    "rawmm_invalid_mm_image_ref",
+    "Raw image refs refused with a client error, by reason (malformed_ref, missing_file, hash_mismatch, ...)",
+    ["reason"],
 )
 
 # Engine only: registered by register_engine_metrics().

@@ -58,7 +58,7 @@ def test_multi_turn_requests_materialize_each_image_once(server: Server) -> None
     assert server.metric("rawmm_materialize_cache_entries") >= turns
 
 
-# --- every way a ref can be bad (DESIGN §3.5) -------------------------------------------------------------
+# --- every way a ref can be bad (docs/architecture.md §3.5) -----------------------------------------------
 
 Mutation = Callable[[Server, list[int], dict[str, Any]], tuple[list[int], dict[str, Any]]]
 

@@ -1,7 +1,8 @@
 """Errors of the raw-image contract.
 
-Every way a raw image ref can be bad maps to one stable ``reason`` string (DESIGN §3.5). Servers turn
-an ``InvalidImageRef`` into a 400 carrying that reason; nothing about a bad ref is ever a server error.
+Every way a raw image ref can be bad maps to one stable ``reason`` string (docs/architecture.md §3.5).
+Servers turn an ``InvalidImageRef`` into a 400 carrying that reason; nothing about a bad ref is ever a
+server error.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Request features: how a prompt's images travel to an engine (DESIGN §3.3).
+"""Request features: how a prompt's images travel to an engine (docs/architecture.md §3.3).
 
 ``{"mm_hashes": {mod: [h...]}, "mm_placeholders": {mod: [{"offset", "length"}...]}, "kwargs_data": {mod: [ref...]}}``
 with ``mod`` the descriptor's engine modality (``vllm_modality`` if set, else ``modality``).

@@ -1,4 +1,5 @@
-"""Raw image descriptors and the ``mmraw:`` ref strings that carry them over the wire (DESIGN §3.2).
+"""Raw image descriptors and the ``mmraw:`` ref strings that carry them over the wire
+(docs/architecture.md §3.2).
 
 A ref is ``mmraw:`` + compact JSON with sorted keys of
 ``{family, modality, mm_hash, payload, raw_image_uri[, fingerprint]}`` — no base64 wrapper, so it stays

@@ -43,7 +43,7 @@ class RenderedPrompt:
     images: list[RenderedImage]
 
     def features(self) -> dict[str, dict[str, list[Any]]]:
-        """The request features for an engine (DESIGN §3.3)."""
+        """The request features for an engine (docs/architecture.md §3.3)."""
         return request_features(self.images)
 
 
@@ -105,6 +105,6 @@ def render_chat(
     token_ids.extend(rendered_ids[start:])
 
     mm_token_type_ids = [0] * len(token_ids)
-    for image in images:
-        mm_token_type_ids[image.offset : image.offset + image.length] = [1] * image.length
+    for rendered in images:
+        mm_token_type_ids[rendered.offset : rendered.offset + rendered.length] = [1] * rendered.length
     return RenderedPrompt(token_ids=token_ids, mm_token_type_ids=mm_token_type_ids, images=images)

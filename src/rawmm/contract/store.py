@@ -1,4 +1,4 @@
-"""The content-addressed offload store (DESIGN §3.1).
+"""The content-addressed offload store (docs/architecture.md §3.1).
 
 ``<root>/<sha[0:2]>/<sha>.<ext>``: the bytes' sha256 names the file, so equal bytes always land on one
 path and one URI. Writes go to a temporary file in the target directory and are published with

@@ -1,4 +1,5 @@
-"""Materialization: raw image refs back into model inputs, for the engine and the trainer (DESIGN §4).
+"""Materialization: raw image refs back into model inputs, for the engine and the trainer
+(docs/architecture.md §4).
 
 Names resolve lazily, so ``from rawmm.materialize import parse_byte_size`` (the config and the operator)
 does not import torch or transformers.

@@ -1,4 +1,5 @@
-"""The inference-side materialize cache (DESIGN §4): byte-bounded LRU, single-flight, off at size 0.
+"""The inference-side materialize cache (docs/architecture.md §4): byte-bounded LRU, single-flight, off
+at size 0.
 
 A multi-turn rollout re-sends every earlier image on every turn; without this cache each request would
 re-read, re-hash, re-decode and re-process all of them. Keys are content-addressed (the whole ref is in

@@ -89,7 +89,17 @@ class LocalRun:
             rawmm_argv("train", str(plan.config_path), "--metrics-host", "127.0.0.1"),
             plan.logs_dir / "trainer.log",
         )
-        self.children = [*self.engines, self.trainer, self.orchestrator]
+        # Retention: GC passes between steps in their own process (rawmm gc --watch); its log shows each pass.
+        self.gc = (
+            ChildProcess(
+                "gc",
+                rawmm_argv("gc", "--config", str(plan.config_path), "--watch", "--metrics-port", "0"),
+                plan.logs_dir / "gc.log",
+            )
+            if config.offload.retention.enabled
+            else None
+        )
+        self.children = [*self.engines, self.trainer, self.orchestrator, *([self.gc] if self.gc else [])]
         # Local engines open weight updates to this run's orchestrator only; external engines (inference.urls)
         # have their own token, which the orchestrator inherits from this process's environment.
         self._weights_env = {WEIGHTS_TOKEN_ENV: new_token()} if self.engines else {}

@@ -1,12 +1,13 @@
 """The rawmm HTTP routes of an engine replica, and how errors become responses.
 
 Client errors never become a 500, and every 4xx body is ``{"error": {"type", "reason", "message"}}`` with a
-stable snake_case ``reason``: a bad image ref is a 400 ``invalid_mm_image_ref`` (reasons of DESIGN §3.5,
-counted in ``rawmm_invalid_mm_image_ref_total{reason}``); a malformed body or an impossible prompt is a 400
-``invalid_request`` (``invalid_json``, ``invalid_body``, ``body_too_large`` (413), ``token_out_of_vocabulary``,
-``prompt_too_long``, and the weights reasons); a weights request the guard turns away is a 403
-``weights_refused`` (``weights_disabled``, ``missing_token``, ``invalid_token``, ``outside_weights_root``),
-counted in ``rawmm_weights_refused_total{reason}``. Only a genuine server fault is a 500.
+stable snake_case ``reason``: a bad image ref is a 400 ``invalid_mm_image_ref`` (reasons of
+docs/architecture.md §3.5, counted in ``rawmm_invalid_mm_image_ref_total{reason}``); a malformed body or an
+impossible prompt is a 400 ``invalid_request`` (``invalid_json``, ``invalid_body``, ``body_too_large`` (413),
+``token_out_of_vocabulary``, ``prompt_too_long``, and the weights reasons); a weights request the guard turns
+away is a 403 ``weights_refused`` (``weights_disabled``, ``missing_token``, ``invalid_token``,
+``outside_weights_root``), counted in ``rawmm_weights_refused_total{reason}``. Only a genuine server fault
+is a 500.
 
 The routes are the same on our own app (the transformers engine) and mounted on vLLM's OpenAI server.
 """

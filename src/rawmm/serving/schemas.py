@@ -20,7 +20,8 @@ class Sampling(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    """Token ids with image placeholders, the request features of its images (DESIGN §3.3), sampling."""
+    """Token ids with image placeholders, the request features of its images (docs/architecture.md §3.3),
+    sampling."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -72,8 +72,8 @@ def build_engine_input(token_ids: list[int], images: Sequence[ImageInput], proce
     """vLLM's engine input for a prompt and its materialized images (prompt order).
 
     vLLM wants one placeholder token per vision embedding. Qwen prompts already hold that many; a Kimi
-    prompt holds one ``<|media_pad|>`` per image (DESIGN §3.4), which is expanded here as vLLM's own
-    Kimi-K2.5 processor would, shifting every later offset.
+    prompt holds one ``<|media_pad|>`` per image (docs/architecture.md §3.4), which is expanded here as
+    vLLM's own Kimi-K2.5 processor would, shifting every later offset.
     """
     if not images:
         return tokens_input(list(token_ids))

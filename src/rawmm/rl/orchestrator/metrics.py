@@ -1,4 +1,4 @@
-"""The orchestrator's Prometheus metrics (DESIGN §7), on a registry of its own.
+"""The orchestrator's Prometheus metrics (docs/architecture.md §8), on a registry of its own.
 
 A registry per orchestrator keeps every instance's numbers separate (tests run several in one
 process); `rawmm orchestrate` serves it on `monitoring.orchestrator_metrics_port`.
