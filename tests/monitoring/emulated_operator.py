@@ -29,7 +29,7 @@ class EmulatedOperator:
         self.url = ""
 
     def _serve_emulator(self) -> None:
-        from rawmm_operator.testing import emulated_cluster
+        from kube.emulator import emulated_cluster
 
         async def main() -> None:
             async with emulated_cluster() as cluster:
