@@ -131,12 +131,14 @@ class Reconciler:
         self.progress_interval = progress_interval
         self._last_progress: dict[tuple[str, str], float] = {}
         self._secrets: set[tuple[str, str, str]] = set()  # (namespace, run, uid) whose Secret exists
+        self._expired: set[tuple[str, str, str]] = set()  # runs whose Secret went with their TTL
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop what is remembered about a run that is gone (or no longer ours)."""
         self._last_progress.pop((namespace, name), None)
         self.progress.forget(namespace, name)
         self._secrets = {key for key in self._secrets if key[:2] != (namespace, name)}
+        self._expired = {key for key in self._expired if key[:2] != (namespace, name)}
 
     def _read_progress(self, run: RunRef, previous: RLRunStatus) -> Progress | None:
         key = (run.namespace, run.name)
@@ -323,10 +325,10 @@ class Reconciler:
         """Delete the run's children of the pruned kinds that are no longer built. A finished run keeps its
         Jobs (their logs); the weights Secret goes (by name: the operator may not list Secrets) only with an
         expired run."""
-        if stage == "expired":
-            name = builders.weights_secret_name(run)
-            self.api.delete("Secret", run.namespace, name)
+        if stage == "expired" and (run.namespace, run.name, run.uid) not in self._expired:
+            self.api.delete("Secret", run.namespace, builders.weights_secret_name(run))
             self._secrets.discard((run.namespace, run.name, run.uid))
+            self._expired.add((run.namespace, run.name, run.uid))
         for kind in PRUNED_KINDS:
             if kind == "Job" and stage == "finished":
                 continue

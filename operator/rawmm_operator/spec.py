@@ -234,7 +234,13 @@ class OffloadSpec(SpecModel):
         max_length=32,
         description="may grow where the storage class allows volume expansion; never shrink",
     )
-    storage_class_name: str | None = Field(default=None, pattern=DNS_SUBDOMAIN, max_length=253)
+    storage_class_name: str | None = Field(
+        default=None,
+        # "" is Kubernetes' "no class": bind a pre-provisioned volume, never the default class.
+        pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$",
+        max_length=253,
+        description='empty: the cluster\'s default class; "": no class (a pre-provisioned volume)',
+    )
     # ReadWriteOncePod cannot work: engine, orchestrator and trainer pods all mount the claim.
     access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = Field(
         default="ReadWriteMany",

@@ -85,6 +85,10 @@ def test_issue_example_claim_uses_its_storage_class() -> None:
     claim = children(ISSUE_EXAMPLE)[("PersistentVolumeClaim", "exp-offload")]
     assert claim["spec"]["storageClassName"] == "nfs-client"
     assert claim["spec"]["resources"]["requests"]["storage"] == "200Gi"
+    # "" is "no class" (a pre-provisioned volume), passed on as such; absent means the default class
+    static = children(merged(ISSUE_EXAMPLE, {"offload": {"storageClassName": ""}}))
+    assert static[("PersistentVolumeClaim", "exp-offload")]["spec"]["storageClassName"] == ""
+    assert "storageClassName" not in children(CPU_ONLY)[("PersistentVolumeClaim", "exp-offload")]["spec"]
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
