@@ -19,8 +19,9 @@ from rawmm.contract import (
     parse_ref,
 )
 from rawmm.materialize import MaterializeCache, load_processor
+from rawmm.materialize.read import header_pixels
 from rawmm.serving import images as images_module
-from rawmm.serving.images import RequestImages
+from rawmm.serving.images import PixelBudget, RequestImages
 
 WAIT = 10.0
 
@@ -106,3 +107,64 @@ def test_every_placeholder_token_must_belong_to_an_image(
         request_images.parse(None, [1, pad, pad, 2], pad)
     assert excinfo.value.reason == "count_mismatch"
     assert request_images.parse(None, [1, 2, 3], pad) == []
+
+
+# --- the memory bound: admission by decoded pixels in flight -----------------------------------------------
+
+
+def test_the_pixel_budget_holds_back_what_would_exceed_it() -> None:
+    budget = PixelBudget(100)
+    release_a, a_entered, b_entered = threading.Event(), threading.Event(), threading.Event()
+
+    def hold(pixels: int, entered: threading.Event, release: threading.Event | None = None) -> None:
+        with budget.admit(pixels):
+            entered.set()
+            if release is not None:
+                release.wait(WAIT)
+
+    a = threading.Thread(target=hold, args=(60, a_entered, release_a))
+    a.start()
+    assert a_entered.wait(WAIT)
+    b = threading.Thread(target=hold, args=(60, b_entered))
+    b.start()
+    assert not b_entered.wait(0.3)  # 60 + 60 > 100: B waits for A
+    release_a.set()
+    assert b_entered.wait(WAIT)
+    a.join(WAIT), b.join(WAIT)
+    assert budget.in_flight == 0
+    with budget.admit(10**9):  # larger than the whole budget: admitted alone, never refused
+        assert budget.in_flight == 100
+
+
+async def test_concurrent_images_never_exceed_the_pixels_in_flight(
+    tiny_qwen2_vl: Path, offload_store: OffloadStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loaded = load_processor(tiny_qwen2_vl)
+    images = feature_images(offload_store, loaded, 6)
+    pixels = {image.ref.mm_hash: header_pixels(image.ref, [offload_store.root]) for image in images}
+    capacity = sum(sorted(pixels.values())[-2:])  # room for any two of them, never three
+    lock, active, peaks = threading.Lock(), [0], []
+    real = images_module.materialize_engine_item
+
+    def measured(ref, **kwargs):
+        with lock:
+            active[0] += pixels[ref.mm_hash]
+            peaks.append(active[0])
+        try:
+            threading.Event().wait(0.05)  # long enough for unadmitted work to overlap (not for correctness)
+            return real(ref, **kwargs)
+        finally:
+            with lock:
+                active[0] -= pixels[ref.mm_hash]
+
+    monkeypatch.setattr(images_module, "materialize_engine_item", measured)
+    request_images = RequestImages(
+        loaded,
+        roots=[offload_store.root],
+        cache=MaterializeCache(0),
+        max_pixels=10**8,
+        budget=PixelBudget(capacity),
+    )
+    inputs = await request_images.materialize(images)
+    assert len(inputs) == 6 and len(peaks) == 6
+    assert max(peaks) <= capacity, (peaks, capacity)

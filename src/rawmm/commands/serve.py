@@ -72,7 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-image-pixels",
         type=int,
         default=None,
-        help="refuse images larger than this (decompression bombs)",
+        help="refuse images larger than this (decompression bombs); default 64Mi pixels",
+    )
+    parser.add_argument(
+        "--max-pixels-in-flight",
+        type=int,
+        default=None,
+        help="decoded pixels all requests may materialize at once (about 20 bytes each at the peak); "
+        "default: the image pixel limit, so at most one image that large at a time",
     )
     parser.add_argument(
         "--weights-root",
@@ -103,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--offload-root {root} is not a directory")
     if args.weights_root is not None and not args.weights_root.is_dir():
         raise CliError(f"--weights-root {args.weights_root} is not a directory")
+    if args.max_pixels_in_flight is not None and args.max_pixels_in_flight < 1:
+        raise CliError(f"--max-pixels-in-flight must be at least 1, got {args.max_pixels_in_flight}")
     if args.vllm_args and args.engine != "vllm":
         raise CliError(f"extra arguments {args.vllm_args} are for --engine vllm only")
     _check_model(args.model)
@@ -112,17 +121,19 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
 
     from rawmm.materialize import DEFAULT_MAX_IMAGE_PIXELS, MaterializeCache, load_processor
-    from rawmm.serving.images import RequestImages
+    from rawmm.serving.images import PixelBudget, RequestImages
 
     try:
         processor = load_processor(args.model, args.processor_backend, args.trust_remote_code)
     except (OSError, ValueError) as exc:
         raise CliError(f"cannot load the image processor of {args.model}: {exc}") from None
+    max_pixels = args.max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS
     images = RequestImages(
         processor,
         roots=args.offload_root,
         cache=MaterializeCache(cache_bytes),
-        max_pixels=args.max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS,
+        max_pixels=max_pixels,
+        budget=PixelBudget(args.max_pixels_in_flight or max_pixels),
     )
     log = logging.getLogger("rawmm.serve")
     log.info(
@@ -194,7 +205,13 @@ def _serve_vllm(args: argparse.Namespace, images: RequestImages) -> int:
 
     def images_for(pixels: str) -> RequestImages:
         processor = load_processor(args.model, args.processor_backend, args.trust_remote_code, pixels=pixels)
-        return RequestImages(processor, roots=images.roots, cache=images.cache, max_pixels=images.max_pixels)
+        return RequestImages(
+            processor,
+            roots=images.roots,
+            cache=images.cache,
+            max_pixels=images.max_pixels,
+            budget=images.budget,
+        )
 
     cli_env_setup()  # as `vllm serve` does: spawn (not fork) the engine-core processes
     asyncio.run(serve_vllm(vllm_args, images_for=images_for, guard=WeightsGuard.from_env(args.weights_root)))

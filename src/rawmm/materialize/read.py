@@ -58,6 +58,27 @@ def decode_image(data: bytes, *, max_pixels: int, source: str) -> Image.Image:
         raise InvalidImageRef("decode_error", f"{source} is not a decodable image: {exc}") from None
 
 
+def header_pixels(ref: RawImageRef | RawImageDescriptor, roots: Sequence[Path]) -> int | None:
+    """Width x height from the image file's header (confined like a read, no hash check, no decode); None
+    when it cannot be read, which the full read then reports with its reason."""
+    try:
+        path = resolve_uri(ref.raw_image_uri, roots)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                width, height = image.size
+    except (
+        InvalidImageRef,
+        Image.DecompressionBombError,
+        UnidentifiedImageError,
+        OSError,
+        ValueError,
+        SyntaxError,
+    ):
+        return None
+    return width * height
+
+
 def read_ref_image(
     ref_or_descriptor: RawImageRef | RawImageDescriptor,
     *,
