@@ -356,6 +356,16 @@ class KubeCluster:
         finally:
             process.stop()
 
+    def wait_established(self, *crds: str) -> None:
+        """Wait until these CRDs (`crd/<name>`) serve their kind. (`kubectl wait` fails instead of waiting
+        on a CRD that has no conditions yet.)"""
+        jsonpath = '-o=jsonpath={.status.conditions[?(@.type=="Established")].status}'
+        for crd in crds:
+            wait_for(
+                lambda crd=crd: self.kubectl("get", crd, jsonpath, check=False).stdout == "True",
+                f"{crd} Established",
+            )
+
     def monitoring_crds(self, installed: bool) -> None:
         """Install (or remove) prometheus-operator's PodMonitor, ServiceMonitor and PrometheusRule CRDs and
         wait until discovery agrees; tests that care about either case call this first."""
@@ -366,7 +376,7 @@ class KubeCluster:
         if installed:
             # Server-side: the CRDs are too large for the last-applied annotation of a client-side apply.
             self.kubectl("apply", "--server-side", *(f"--filename={f}" for f in files))
-            self.kubectl("wait", "--for=condition=Established", "--timeout=60s", *names)
+            self.wait_established(*names)
         else:
             self.kubectl("delete", "--ignore-not-found", "--wait", *names)
         wait_for(

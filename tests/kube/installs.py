@@ -24,7 +24,7 @@ RELEASE, RELEASE_NAMESPACE = "rawmm", "rawmm-system"  # as install.yaml is rende
 def apply_crd(cluster: KubeCluster) -> None:
     """The RLRun CRD as `rawmm manifests` writes it, Established (idempotent; takes over a chart's copy)."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", f"--filename={CRD_FILE}")
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", CRD)
+    cluster.wait_established(CRD)
 
 
 def remove_crd(cluster: KubeCluster) -> None:
