@@ -38,7 +38,8 @@ def _as_mapping(part: Any) -> Mapping[str, Any]:
     if isinstance(part, Mapping):
         return part
     if hasattr(part, "model_dump"):  # typed (pydantic) content parts
-        return part.model_dump(exclude_none=True)
+        dumped: dict[str, Any] = part.model_dump(exclude_none=True)
+        return dumped
     raise ImageIngestError(f"content part must be an object, got {type(part).__name__}")
 
 

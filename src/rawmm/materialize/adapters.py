@@ -142,7 +142,8 @@ class KimiK25Adapter(FamilyAdapter):
     def _process(
         self, processor: Any, images: Sequence[Image.Image], *, normalize: bool = True
     ) -> dict[str, torch.Tensor]:
-        return processor(images, normalize=normalize)
+        tensors: dict[str, torch.Tensor] = processor(images, normalize=normalize)
+        return tensors
 
 
 _ADAPTERS: dict[str, FamilyAdapter] = {

@@ -81,4 +81,5 @@ class KimiK25ImageProcessor:
 
         chw = torch.from_numpy(np.array(image)).permute(2, 0, 1)
         resized = tvf.resize(chw, [height, width], interpolation=InterpolationMode.BICUBIC, antialias=True)
-        return resized.permute(1, 2, 0).numpy()
+        pixels: np.ndarray = resized.permute(1, 2, 0).numpy()
+        return pixels

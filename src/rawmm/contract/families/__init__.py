@@ -69,9 +69,7 @@ def detect_family(path: str | Path) -> Family[Any]:
             return family
     if config_file is None:
         raise ValueError(f"{path} has no config.json; is it a checkpoint directory or hub id?")
-    raise ValueError(
-        f"{path}: model type {model_type!r} is not supported; supported: {sorted(MODEL_TYPES)}"
-    )
+    raise ValueError(f"{path}: model type {model_type!r} is not supported; supported: {sorted(MODEL_TYPES)}")
 
 
 def vllm_modality_of(family_name: str) -> str | None:

@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Generic, Literal, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar, cast, get_args
 
 from rawmm.contract.errors import InvalidImageRef
 
@@ -20,7 +20,11 @@ BACKENDS: tuple[str, ...] = get_args(Backend)
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 FINGERPRINT_HEX_CHARS = 16
 
-ConfigT = TypeVar("ConfigT")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+# A family's config is a frozen dataclass (its fields are the fingerprint's input).
+ConfigT = TypeVar("ConfigT", bound="DataclassInstance")
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,7 @@ class Family(ABC, Generic[ConfigT]):
 
     def preset(self, name: str) -> ConfigT:
         try:
-            return self.presets[name]
+            return cast(ConfigT, self.presets[name])
         except KeyError:
             raise ValueError(
                 f"family {self.name} has no preset {name!r}; presets: {sorted(self.presets)}"
