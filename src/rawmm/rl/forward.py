@@ -56,7 +56,7 @@ def mrope_position_ids(
     The samples become rows of a padded batch so one call handles them all: `get_rope_index` walks
     the image grids in order across rows, which is exactly the packed image order.
     """
-    base = getattr(model, "model", model)
+    base: Any = getattr(model, "model", model)  # the model's own attributes: transformers types them loosely
     if not hasattr(base, "get_rope_index"):
         raise TypeError(f"{type(model).__name__} has no get_rope_index; its family must pass position ids")
     ids_rows, mask = _rows(input_ids, seq_lens)

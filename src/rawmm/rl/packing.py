@@ -39,7 +39,7 @@ class PackedMicroBatch:
 
 def concat_samples(samples: list[Sample]) -> PackedMicroBatch:
     """Lay `samples` (of one family, or text-only) end to end, rebasing image offsets."""
-    families = {s.family for s in samples} - {None}
+    families = {s.family for s in samples if s.family is not None}
     if len(families) > 1:
         raise SampleError(f"cannot pack image families {sorted(families)} into one micro-batch")
     token_ids: list[int] = []

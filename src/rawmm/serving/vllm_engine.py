@@ -65,7 +65,7 @@ def to_vllm_item(item: EngineItem) -> MultiModalKwargsItem:
 def vision_token_count(image: ImageInput, processor: LoadedProcessor) -> int:
     """Embeddings the vision tower emits for one image: grid patches / merge²."""
     grid = image.item.tensors[get_adapter(processor.family.name).grid_key]
-    return int(grid.prod()) // processor.config.merge_size**2
+    return int(grid.prod()) // int(processor.config.merge_size) ** 2
 
 
 def build_engine_input(token_ids: list[int], images: Sequence[ImageInput], processor: LoadedProcessor) -> Any:

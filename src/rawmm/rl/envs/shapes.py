@@ -135,6 +135,7 @@ class MultiTurnShapesEpisode(Episode):
         if action == "zoom" and self._box.x1 - self._box.x0 > 1 / GRID:
             self._box, text = self._box.zoomed(), f"Zoomed in on view {self._view + 1}."
         elif action == "crop":
+            assert argument is not None  # parse_action gives crop its quadrant
             self._box, text = self._box.quadrant(argument), f"The {argument} of the current image."
         elif action == "zoom":
             text = f"View {self._view + 1} is already at full zoom."

@@ -39,7 +39,9 @@ class PromptRenderer:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self.backend, self.store = backend, store
         self._tokenizer_lock = threading.Lock()
-        self.placeholder_id: int = self.tokenizer.convert_tokens_to_ids(self.family.placeholder_token)
+        placeholder_id = self.tokenizer.convert_tokens_to_ids(self.family.placeholder_token)
+        assert isinstance(placeholder_id, int)  # one token in, one id out
+        self.placeholder_id = placeholder_id
 
     def offload(self, messages: list[Message]) -> list[Message]:
         return offload_message_images(messages, self.store)
@@ -57,7 +59,7 @@ class PromptRenderer:
 
     def decode(self, token_ids: list[int]) -> str:
         with self._tokenizer_lock:
-            return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
 
 @dataclass(frozen=True)
