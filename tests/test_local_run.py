@@ -142,7 +142,7 @@ def test_bad_config_is_one_clear_error_and_starts_nothing(tmp_path, capsys):
         ),
         (
             {"orchestrator": {"environment": {"name": "shapes", "args": {"no_such_arg": 1}}}},
-            "orchestrator.environment: environment 'shapes': bad arguments",
+            "orchestrator.environment: 'shapes' does not take args {'no_such_arg': 1}",
         ),
         (
             {"model": {"path": "/nonexistent", "preset": "qwen2_vl"}},
@@ -600,6 +600,8 @@ def test_engine_killed_mid_run_stops_the_run_with_a_clear_error(tmp_path, tiny_q
 def test_image_deleted_before_training(tmp_path, tiny_qwen2_vl, monkeypatch, policy):
     from rawmm.rl.orchestrator.loop import episode_seed
 
+    # On the path of `rawmm run` (which resolves the factory before starting anything) and of its children.
+    monkeypatch.syspath_prepend(str(ENVS_DIR))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ENVS_DIR), os.environ.get("PYTHONPATH", "")]))
     shared = tmp_path / "shared"
     config = e2e_config(

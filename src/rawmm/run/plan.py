@@ -8,8 +8,9 @@
 - `model.path: tiny:<preset>` builds the tiny random-weight checkpoint of that preset into the
   output directory (`<output-dir>/tiny-<preset>`); any other path must be a checkpoint directory or a hub id
   (`owner/name`): a missing directory is refused here, not by an engine minutes later.
-- The environment is built here once (a registered name or `package.module:factory`, with its args), so
-  an unknown name, an unimportable module or bad arguments stop the run before anything is written.
+- The environment's factory is resolved here (a registered name or `package.module:factory`) and its args
+  bound to its signature, so an unknown name, an unimportable module or arguments it does not take stop the
+  run before anything is written (the factory itself runs in the orchestrator).
 - With no `inference.urls`, local replicas listen on 127.0.0.1 at `base_port`, `base_port + 1`, ...;
   metrics ports of 0 become free ports. Ports already in use are refused.
 """
@@ -120,14 +121,24 @@ def _model_path(config: RunConfig, output_dir: Path) -> tuple[Path | str, str | 
 
 
 def _check_environment(config: RunConfig) -> None:
-    from rawmm.rl.envs import EnvironmentLoadError, load_environment
+    """Import the environment's factory and bind its args, without building it (that may write)."""
+    import inspect
+
+    from rawmm.rl.envs import EnvironmentLoadError, resolve_environment
 
     environment = config.orchestrator.environment
     try:
-        load_environment(environment.name, environment.args)
+        factory = resolve_environment(environment.name)
     except EnvironmentLoadError as exc:
-        # One line: a factory's own error (a pydantic ValidationError, say) may span many.
-        raise PlanError(f"orchestrator.environment: {str(exc).splitlines()[0]}") from None
+        raise PlanError(f"orchestrator.environment: {exc}") from None
+    try:
+        inspect.signature(factory).bind(**environment.args)
+    except TypeError as exc:
+        raise PlanError(
+            f"orchestrator.environment: {environment.name!r} does not take args {environment.args}: {exc}"
+        ) from None
+    except ValueError:  # a callable without an inspectable signature: its call will tell
+        pass
 
 
 def _refuse_previous_run(shared_dir: Path) -> None:

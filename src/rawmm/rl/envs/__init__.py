@@ -11,6 +11,7 @@ from rawmm.rl.envs.registry import (
     environment_names,
     load_environment,
     register_environment,
+    resolve_environment,
 )
 from rawmm.rl.envs.shapes import MultiTurnShapesEnvironment, ShapesEnvironment
 
@@ -25,4 +26,5 @@ __all__ = [
     "environment_names",
     "load_environment",
     "register_environment",
+    "resolve_environment",
 ]

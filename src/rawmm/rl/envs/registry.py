@@ -34,7 +34,7 @@ def load_environment(name: str, args: Mapping[str, Any] | None = None) -> Enviro
     `name` is a registered name (`shapes`, `shapes-multiturn`, ...) or `module.path:attribute`, where the
     attribute is an `Environment` subclass or a function returning an `Environment`.
     """
-    factory = _REGISTRY.get(name) or _import_factory(name)
+    factory = resolve_environment(name)
     try:
         environment = factory(**dict(args or {}))
     except (TypeError, ValueError) as exc:
@@ -44,6 +44,11 @@ def load_environment(name: str, args: Mapping[str, Any] | None = None) -> Enviro
             f"environment {name!r}: factory returned {type(environment).__name__}, not a rawmm Environment"
         )
     return environment
+
+
+def resolve_environment(name: str) -> EnvironmentFactory:
+    """The factory `name` names (registered, or imported from `module.path:attribute`), without calling it."""
+    return _REGISTRY.get(name) or _import_factory(name)
 
 
 def _import_factory(name: str) -> EnvironmentFactory:
