@@ -19,7 +19,8 @@ from rawmm.contract.families import Preset
 from rawmm.duration import DURATION_PATTERN, parse_duration
 from rawmm.quantity import BYTE_SIZE_PATTERN, parse_byte_size
 
-Engine = Literal["transformers", "vllm"]
+# Which engine `rawmm serve` runs (not to be confused with rawmm.serving.engine.Engine, the interface).
+EngineKind = Literal["transformers", "vllm"]
 MissingImagePolicy = Literal["error", "zero_loss"]
 # ddp: every rank holds the whole model and AdamW state; fsdp: FSDP2 shards them over the ranks.
 Parallelism = Literal["ddp", "fsdp"]
@@ -50,7 +51,7 @@ class ModelConfig(ModelSettings):
 class InferenceSettings(StrictModel):
     """Inference settings shared by local runs and the RLRun's inference section."""
 
-    engine: Engine = "transformers"
+    engine: EngineKind = "transformers"
     replicas: int = Field(default=1, ge=1)
     materialize_cache_size: str = Field(
         default="2Gi",
