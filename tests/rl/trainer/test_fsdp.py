@@ -65,7 +65,9 @@ def torchrun(config_file: Path, steps: int) -> list[dict]:
         text=True,
         timeout=240,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    # Every rank's error lines first: the tail alone may show only the rank that lost its peer.
+    errors = [line for line in done.stderr.splitlines() if "Error" in line or "error" in line]
+    assert done.returncode == 0, "\n".join(errors[-30:]) + "\n...\n" + done.stderr[-2000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"')]
 
 

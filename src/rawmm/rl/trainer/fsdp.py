@@ -5,11 +5,20 @@ A unit's parameters, gradients and AdamW state live 1/world on each rank; a unit
 right before its forward (and again in backward) and its gradients are reduce-scattered after its
 backward. Gradients are *summed* over ranks, not averaged: the loss is already normalized by the
 step's loss tokens across all ranks (see `rawmm.rl.trainer.distributed`).
+
+No rank ever holds the whole model on its accelerator, and only rank 0 reads it into host memory:
+the others build it on the meta device (no storage), and after sharding rank 0 sends each rank
+its shards (`load_from_rank0`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
@@ -43,3 +52,28 @@ def shard_model(model: torch.nn.Module, device: torch.device) -> None:
             # Sum, don't average; and as plain SUM collectives (gloo has no PREMUL_SUM).
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
+
+
+def meta_model(path: Path, *, trust_remote_code: bool) -> torch.nn.Module:
+    """The checkpoint's model built on the meta device: every shape, no storage, no weights read."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(
+            config, dtype=torch.float32, trust_remote_code=trust_remote_code
+        )
+
+
+def load_from_rank0(
+    model: torch.nn.Module, full_state: Mapping[str, torch.Tensor], device: torch.device
+) -> None:
+    """Fill a sharded model from rank 0's `full_state` (other ranks pass `{}`); every rank calls this."""
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=device)
+    set_model_state_dict(
+        model, dict(full_state), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+    # Buffers the state dict leaves out (rotary frequencies) are still empty on the meta-built ranks.
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)

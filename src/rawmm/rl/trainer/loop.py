@@ -22,7 +22,7 @@ from rawmm.rl.samples import RolloutBatch, truncate_sample
 from rawmm.rl.trainer import metrics
 from rawmm.rl.trainer.checkpoint import latest_step, resolve_model_dir, save_checkpoint, train_state_dir
 from rawmm.rl.trainer.distributed import DistContext, all_reduce_gradients, all_reduce_sum
-from rawmm.rl.trainer.fsdp import shard_model
+from rawmm.rl.trainer.fsdp import load_from_rank0, meta_model, shard_model
 from rawmm.rl.trainer.lockstep import Slot, append_filler, rank_slots
 from rawmm.rl.trainer.loss import policy_gradient_loss
 from rawmm.rl.trainer.train_state import load_train_state
@@ -85,14 +85,23 @@ class Trainer:
         self.base_dir = resolve_model_dir(config.model.path)
         cfg = config.trainer
         self.sharded = cfg.parallelism == "fsdp" and dist.world_size > 1
-        self.model = AutoModelForImageTextToText.from_pretrained(
-            self.base_dir, dtype=torch.float32, trust_remote_code=config.model.trust_remote_code
-        ).to(dist.device)
+        trust = config.model.trust_remote_code
+        if self.sharded and not dist.is_main:
+            self.model = meta_model(self.base_dir, trust_remote_code=trust)
+        else:
+            self.model = AutoModelForImageTextToText.from_pretrained(
+                self.base_dir, dtype=torch.float32, trust_remote_code=trust
+            )
         self.model.train()
         if cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.sharded:
+            full_state = self.model.state_dict() if dist.is_main else {}
             shard_model(self.model, dist.device)
+            load_from_rank0(self.model, full_state, dist.device)
+            del full_state
+        else:
+            self.model.to(dist.device)
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.parameters, lr=cfg.learning_rate, weight_decay=cfg.weight_decay
