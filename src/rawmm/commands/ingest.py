@@ -24,14 +24,16 @@ IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
     """``--preset`` / ``--model`` (mutually exclusive) and ``--backend``, shared with ``rawmm layout``."""
+    from rawmm.contract.families import BACKENDS, PRESETS
+
     group = parser.add_mutually_exclusive_group(required=required)
-    group.add_argument("--preset", help="model preset: qwen2_vl, qwen2_5_vl, qwen3_vl or kimi_k25")
+    group.add_argument("--preset", help=f"model preset: {', '.join(PRESETS)}")
     group.add_argument(
         "--model", type=Path, metavar="DIR", help="checkpoint directory (its preprocessor config)"
     )
     parser.add_argument(
         "--backend",
-        choices=("pil", "torchvision"),
+        choices=BACKENDS,
         default="pil",
         help="image-processor backend (fingerprint)",
     )

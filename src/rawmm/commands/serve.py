@@ -7,7 +7,7 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from rawmm.cli import CliError
 from rawmm.weights_token import WEIGHTS_TOKEN_ENV
@@ -49,8 +49,11 @@ def claim_port(host: str, port: int) -> socket.socket:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from rawmm.config import EngineKind
+    from rawmm.contract.families import BACKENDS
+
     parser.add_argument("--model", required=True, help="checkpoint directory (or hub id) to serve")
-    parser.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
+    parser.add_argument("--engine", choices=get_args(EngineKind), default="transformers")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=port_number, default=8100, help="TCP port, 1-65535 (default 8100)")
     parser.add_argument(
@@ -66,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"byte budget of the materialize cache: bytes or a quantity like 2Gi; 0 turns it off "
         f"(default: ${CACHE_SIZE_ENV} or 2Gi)",
     )
-    parser.add_argument("--processor-backend", choices=("pil", "torchvision"), default="pil")
+    parser.add_argument("--processor-backend", choices=BACKENDS, default="pil")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument(
         "--max-image-pixels",
