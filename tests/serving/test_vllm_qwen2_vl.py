@@ -30,6 +30,7 @@ from vllm_harness import (
     check_one_image,
     picture,
     raw_tokens,
+    tiny,
     vllm_server,
 )
 
@@ -41,12 +42,10 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The weights root: tiny Qwen2-VL seed 0 (served first), seed 1, and a Qwen3-VL that does not fit."""
-    from rawmm.tiny import build_tiny_model
-
     root = tmp_path_factory.mktemp("vllm_qwen2_checkpoints")
-    build_tiny_model("qwen2_vl", root / "seed0", seed=0)
-    build_tiny_model("qwen2_vl", root / "seed1", seed=1)
-    build_tiny_model("qwen3_vl", root / "qwen3", seed=0)
+    tiny("qwen2_vl", root / "seed0", seed=0)
+    tiny("qwen2_vl", root / "seed1", seed=1)
+    tiny("qwen3_vl", root / "qwen3", seed=0)
     return root
 
 

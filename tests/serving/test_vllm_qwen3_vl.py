@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from vllm_harness import (
@@ -11,6 +10,7 @@ from vllm_harness import (
     check_four_turns_resending_images,
     check_images_of_different_sizes,
     check_one_image,
+    tiny,
     vllm_server,
 )
 
@@ -18,10 +18,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen3_vl: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     pytest.importorskip("vllm")
     work = tmp_path_factory.mktemp("vllm_qwen3")
-    with vllm_server(tiny_qwen3_vl, work, weights_root=tiny_qwen3_vl.parent) as running:
+    model = tiny("qwen3_vl", work / "model")
+    with vllm_server(model, work, weights_root=work) as running:
         yield running
 
 

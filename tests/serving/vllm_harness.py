@@ -21,12 +21,21 @@ from typing import Any
 
 import httpx
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import free_port, wait_healthy
 
 from rawmm.contract import OffloadStore, get_family, render_chat
 
 WEIGHTS_TOKEN = "vllm-test-token"
 BACKEND = "torchvision"  # the backend vLLM's own Qwen-VL processor runs (transformers' default)
+
+
+def tiny(preset: str, out: Path, seed: int = 0) -> Path:
+    """A tiny checkpoint vLLM's attention takes: head_dim 32 on CPU, 128 with ``RAWMM_TINY_GPU_SHAPE=1``
+    (bench/gpu_check.sh, for GPU attention kernels)."""
+    from rawmm.tiny import build_tiny_model
+
+    return build_tiny_model(preset, out, seed=seed, gpu_shape=os.environ.get("RAWMM_TINY_GPU_SHAPE") == "1")
 
 
 def vllm_env(tmp: Path) -> dict[str, str]:
@@ -57,6 +66,11 @@ class VllmServer:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
         headers = {"Content-Type": "application/json", **headers}
         return httpx.post(f"{self.url}{route}", content=content, headers=headers, timeout=300.0)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=30.0).text
+        samples = (s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+        return sum(sample.value for sample in samples)
 
     def load_weights(self, path: Path) -> httpx.Response:
         return self.post("/v1/rawmm/weights", {"path": str(path)}, Authorization=f"Bearer {WEIGHTS_TOKEN}")
@@ -237,10 +251,14 @@ def check_images_of_different_sizes(server: VllmServer) -> None:
 
 
 def check_four_turns_resending_images(server: VllmServer) -> None:
+    hits, misses = (server.metric(f"rawmm_materialize_cache_{kind}_total") for kind in ("hits", "misses"))
     conversation = Conversation(server)
     for turn in range(4):
         conversation.user(picture(10 + turn, 96 + 16 * turn, 64), f"turn {turn}: what changed?")
         conversation.assistant(both_ways(conversation)[0])
+    # Each image materialized once; every resend was a cache hit (0 + 1 + 2 + 3).
+    assert server.metric("rawmm_materialize_cache_misses_total") - misses == 4
+    assert server.metric("rawmm_materialize_cache_hits_total") - hits == 6
 
 
 def picture(seed: int, width: int, height: int) -> Image.Image:

@@ -26,6 +26,7 @@ from rawmm.contract.families import BACKENDS, Family, checkpoint_file, detect_fa
 
 PIXELS: tuple[str, ...] = ("normalized", "uint8")
 
+
 @dataclass(frozen=True)
 class LoadedProcessor:
     """An image processor plus who it is: family, layout/pixel config, backend, identity and fingerprint."""
