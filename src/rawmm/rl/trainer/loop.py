@@ -33,7 +33,7 @@ class BatchTimeout(TimeoutError):
 
 
 @dataclass(frozen=True)
-class StepResult:
+class TrainStepReport:
     step: int
     loss: float
     reward_mean: float
@@ -120,7 +120,7 @@ class Trainer:
         # Greedy sampling has no temperature to undo; the engine reports plain logprobs then.
         self.temperature = temperature if temperature > 0 else 1.0
 
-    def train_step(self, batch: RolloutBatch) -> StepResult:
+    def train_step(self, batch: RolloutBatch) -> TrainStepReport:
         """One optimizer step on `batch` (every rank passes the same batch)."""
         started = time.perf_counter()
         cfg = self.config.trainer
@@ -158,7 +158,7 @@ class Trainer:
         self.optimizer.step()
 
         saved = self._checkpoint(batch.step)
-        result = StepResult(
+        result = TrainStepReport(
             step=batch.step,
             loss=float(loss_sum[0]),
             reward_mean=sum(s.reward for s in batch.samples) / max(len(batch.samples), 1),
@@ -223,8 +223,8 @@ class Trainer:
         steps: int,
         *,
         batch_timeout: float | None = None,
-        on_step: Callable[[StepResult], None] | None = None,
-    ) -> list[StepResult]:
+        on_step: Callable[[TrainStepReport], None] | None = None,
+    ) -> list[TrainStepReport]:
         """Train steps `latest + 1 .. steps`, each on `rollouts/step_<N>.msgpack` once it appears."""
         results = []
         for step in range(self.step + 1, steps + 1):
@@ -241,7 +241,7 @@ def _loss_mask(m: MaterializedMicroBatch) -> torch.Tensor:
     return torch.tensor(m.batch.loss_mask, dtype=torch.bool) & ~sample_starts(m.batch.seq_lens)
 
 
-def _export(result: StepResult) -> None:
+def _export(result: TrainStepReport) -> None:
     metrics.STEP.set(result.step)
     metrics.LOSS.set(result.loss)
     metrics.REWARD_MEAN.set(result.reward_mean)
@@ -250,6 +250,6 @@ def _export(result: StepResult) -> None:
     shared_metrics.IMAGES_MATERIALIZED.labels(side="trainer").inc(result.images_materialized)
 
 
-def step_log_line(result: StepResult) -> str:
+def step_log_line(result: TrainStepReport) -> str:
     """One JSON line per step on stdout: what `rawmm run` and log collectors read."""
     return json.dumps({"event": "trainer_step", **asdict(result)}, sort_keys=True)
