@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import venv
 from pathlib import Path
 
@@ -95,3 +96,13 @@ def test_operator_install_pulls_no_torch_and_runs(tmp_path: Path) -> None:
     assert missing.returncode == 2
     (line,) = missing.stderr.strip().splitlines()
     assert line.startswith("rawmm tiny-model: error: needs rawmm's engine extra") and "rawmm[engine]" in line
+
+
+def test_dev_installs_every_role_but_the_gpu_engine() -> None:
+    # `make` installs `.[dev]`; vLLM comes from its own CPU build there (inference is the GPU image's extra).
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (roles,) = [req for req in extras["dev"] if req.startswith("rawmm[")]
+    assert set(roles.removeprefix("rawmm[").removesuffix("]").split(",")) == set(extras) - {
+        "dev",
+        "inference",
+    }
