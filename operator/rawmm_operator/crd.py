@@ -12,6 +12,8 @@ import copy
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
+from pydantic.json_schema import JsonSchemaMode
 
 from rawmm_operator.spec import (
     API_GROUP,
@@ -51,7 +53,7 @@ def structural_schema(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, A
             del rest["default"]  # an unset optional field is simply absent
         if len(options) == 1:
             return structural_schema({**options[0], **rest}, defs)
-        if sorted(o.get("type") for o in options) == ["integer", "string"]:
+        if sorted(str(o.get("type")) for o in options) == ["integer", "string"]:
             return {**_clean(rest), "x-kubernetes-int-or-string": True}
         raise ValueError(f"no structural form for the union {node['anyOf']}")
 
@@ -80,7 +82,7 @@ def _clean(node: dict[str, Any]) -> dict[str, Any]:
     return {k: copy.deepcopy(v) for k, v in node.items() if k not in skipped}
 
 
-def _model_schema(model: type, mode: str) -> dict[str, Any]:
+def _model_schema(model: type[BaseModel], mode: JsonSchemaMode) -> dict[str, Any]:
     schema = model.model_json_schema(by_alias=True, mode=mode)
     return structural_schema(schema, schema.get("$defs", {}))
 

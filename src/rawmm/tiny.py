@@ -102,8 +102,9 @@ def build_tokenizer() -> Any:
     model = json.loads(bpe.to_str())["model"]
     tokenizer = Qwen2Tokenizer(
         vocab=model["vocab"],
-        merges=[tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]],
-        unk_token=None,
+        # transformers annotates these as list[str] and str; it takes merge pairs and no unk token
+        merges=[tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]],  # type: ignore[misc]
+        unk_token=None,  # type: ignore[arg-type]
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         extra_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|im_end|>", "<|endoftext|>")],
@@ -172,7 +173,7 @@ def _model_config(preset: str, tokenizer: Any, image: QwenVLConfig, shape: TinyS
             "rope_theta": 1_000_000.0,
             "mrope_section": list(shape.qwen2_mrope_section),
         }
-        vision = {
+        vision: dict[str, Any] = {
             "depth": 2,
             "embed_dim": shape.vision_hidden_size,
             "hidden_size": shape.hidden_size,
@@ -244,7 +245,7 @@ def build_tiny_model(
     processor_class = Qwen2VLProcessor if preset == "qwen2_vl" else Qwen3VLProcessor
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_class(config).to(torch.float32).eval()
+        model = model_class(config).float().eval()
     image_processor = qwen_image_processor(dataclasses.replace(image, max_pixels=max_pixels), backend="pil")
     # Processors need a video processor to load; rawmm sends no video, so it just mirrors the patch layout.
     video_class = Qwen2VLVideoProcessor if preset == "qwen2_vl" else Qwen3VLVideoProcessor

@@ -61,8 +61,9 @@ def plan_local_run(
     _check_environment(config)
 
     model_path, tiny_preset = _model_path(config, output_dir)
+    engine_ports: tuple[int, ...] = ()
     if config.inference.urls:
-        urls, engine_ports = list(config.inference.urls), ()
+        urls = list(config.inference.urls)
     else:
         first = config.inference.base_port
         engine_ports = tuple(range(first, first + config.inference.replicas))

@@ -78,7 +78,8 @@ def parse_vllm_args(*, model: str, host: str, port: int, vllm_args: Sequence[str
         validate_parsed_serve_args(args)
     except (ValueError, TypeError) as exc:
         raise VllmArgsError(f"vLLM refused the arguments {list(vllm_args)}: {exc}") from None
-    return args
+    parsed: argparse.Namespace = args
+    return parsed
 
 
 def mount_routes(app: FastAPI, engine: Engine, images: RequestImages, guard: WeightsGuard) -> None:
@@ -129,7 +130,8 @@ async def serve_vllm(
             app = build_app(args, supported_tasks, client.model_config)
             await init_app_state(client, app.state, args, supported_tasks)
             images = images_for(pixels_for(client))
-            engine = VllmEngine(client, images.processor, client.get_tokenizer())
+            # AsyncLLM has get_tokenizer; vLLM's EngineClient protocol does not declare it.
+            engine = VllmEngine(client, images.processor, client.get_tokenizer())  # type: ignore[attr-defined]
             metrics.register_engine_metrics()
             metrics.ENGINE_WEIGHTS_VERSION.set(engine.weights_version)
             mount_routes(app, engine, images, guard)
