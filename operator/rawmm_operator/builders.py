@@ -605,6 +605,10 @@ def build_children(
                 _service(run, trainer_name(run), "trainer", TORCHRUN_PORT, "rendezvous", headless=True)
             )
         jobs.append(build_trainer_job(run, spec))
+        if spec.offload.retention.enabled:
+            from rawmm_operator.gc import build_gc_job  # gc builds on this module's helpers
+
+            jobs.append(build_gc_job(run, spec))
         for job in jobs:
             job["metadata"]["annotations"][TEMPLATE_HASH] = template_hash(job["spec"], config)
         children += jobs

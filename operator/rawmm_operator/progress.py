@@ -9,19 +9,26 @@ the cache itself counts them (and the chart's alert).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from rawmm_operator.builders import COMPONENT_LABEL, RUN_LABEL
+from rawmm_operator.gc import COMPONENT as GC_COMPONENT
 from rawmm_operator.kube import KubeApi
-from rawmm_operator.status import Progress
+from rawmm_operator.status import OffloadUsage, Progress
 
 TRAINER_STEP = "rawmm_trainer_step"
 CACHE_HITS = "rawmm_materialize_cache_hits_total"
 CACHE_MISSES = "rawmm_materialize_cache_misses_total"
 CACHE_JOINS = "rawmm_materialize_cache_inflight_joins_total"
+# The GC process's (offload.retention) view of the volume.
+OFFLOAD_BYTES = "rawmm_offload_bytes"
+OFFLOAD_FILES = "rawmm_offload_files"
+GC_FREED_BYTES = "rawmm_offload_gc_freed_bytes_total"
+GC_LAST_RUN = "rawmm_offload_gc_last_run_timestamp_seconds"
 
 
 def metrics_url(pod: dict[str, Any], port_name: str) -> str | None:
@@ -52,6 +59,21 @@ class _Lookups:
     lookups: float
 
 
+def offload_usage(scrapes: list[dict[str, float]]) -> OffloadUsage | None:
+    """The volume's usage from the GC pod's metrics; None until it has finished a pass."""
+    done = [r for r in scrapes if r.get(GC_LAST_RUN)]
+    if not done:
+        return None
+    r = done[0]  # one GC pod per run
+    when = datetime.fromtimestamp(r[GC_LAST_RUN], tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return OffloadUsage(
+        bytes=int(r.get(OFFLOAD_BYTES, 0)),
+        files=int(r.get(OFFLOAD_FILES, 0)),
+        gc_freed_bytes=int(r.get(GC_FREED_BYTES, 0)),
+        last_gc_time=when,
+    )
+
+
 class ProgressReader:
     """Scrapes a run's trainer and engine pods; remembers the last cache counters per run."""
 
@@ -76,7 +98,7 @@ class ProgressReader:
 
     def read(self, namespace: str, run: str, previous: Progress) -> Progress:
         pods = self.api.list("Pod", namespace, {RUN_LABEL: run})
-        by_component: dict[str, list[str]] = {"engine": [], "trainer": []}
+        by_component: dict[str, list[str]] = {"engine": [], "trainer": [], GC_COMPONENT: []}
         for pod in pods:
             component = pod.get("metadata", {}).get("labels", {}).get(COMPONENT_LABEL)
             url = metrics_url(pod, "http" if component == "engine" else "metrics")
@@ -85,6 +107,11 @@ class ProgressReader:
         with httpx.Client(timeout=self.timeout) as client:
             trainer = self._scrape(client, by_component["trainer"], {TRAINER_STEP})
             engines = self._scrape(client, by_component["engine"], {CACHE_HITS, CACHE_MISSES, CACHE_JOINS})
+            gc = self._scrape(
+                client,
+                by_component[GC_COMPONENT],
+                {OFFLOAD_BYTES, OFFLOAD_FILES, GC_FREED_BYTES, GC_LAST_RUN},
+            )
         steps = [int(r[TRAINER_STEP]) for r in trainer if TRAINER_STEP in r]
         step = max(steps) if steps else previous.trainer_step
         rate = previous.cache_hit_rate
@@ -100,4 +127,4 @@ class ProgressReader:
                     delta = now
                 if delta.lookups > 0:
                     rate = round(delta.hits / delta.lookups, 4)
-        return Progress(trainer_step=step, cache_hit_rate=rate)
+        return Progress(trainer_step=step, cache_hit_rate=rate, offload_usage=offload_usage(gc))

@@ -26,7 +26,9 @@ from rawmm.config import (
     ModelConfig,
     ModelSettings,
     MonitoringConfig,
+    OffloadConfig,
     OrchestratorConfig,
+    RetentionConfig,
     RunConfig,
     SamplingConfig,
     StrictModel,
@@ -216,6 +218,16 @@ class ModelSpec(ModelSettings):
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 
 
+class RetentionSpec(PodSettings, RetentionConfig):
+    """Garbage collection of the offload volume: when enabled, a `<run>-offload-gc` Job runs
+    `rawmm gc --watch` beside the trainer (a pass per checkpoint) and reports the volume's usage."""
+
+    model_config = CAMEL
+    image: str = _image()
+    metrics_port: int = Field(default=9103, ge=1, le=65535)
+    resources: Resources = default_resources(cpu="250m", memory="512Mi")
+
+
 class OffloadSpec(SpecModel):
     """The run's shared volume: offloaded images, rollout batches and checkpoints."""
 
@@ -254,6 +266,7 @@ class OffloadSpec(SpecModel):
         max_length=253,
     )
     retain_on_delete: bool = Field(default=True, description="keep the created PVC when the RLRun is deleted")
+    retention: RetentionSpec = Field(default_factory=RetentionSpec)
 
 
 class InferenceSpec(PodSettings, InferenceSettings):
@@ -425,6 +438,7 @@ def run_config(run_name: str, namespace: str, spec: RLRunSpec) -> RunConfig:
         orchestrator=OrchestratorConfig(**_fields_of(OrchestratorConfig, spec.orchestrator)),
         trainer=TrainerConfig(**_fields_of(TrainerConfig, spec.trainer)),
         monitoring=MonitoringConfig(**_fields_of(MonitoringConfig, spec.monitoring)),
+        offload=OffloadConfig(retention=RetentionConfig(**_fields_of(RetentionConfig, spec.offload.retention))),
     )
 
 

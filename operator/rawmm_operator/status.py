@@ -47,7 +47,16 @@ class JobSummary(StatusModel):
     failed: int = 0
 
 
-class OffloadSummary(StatusModel):
+class OffloadUsage(StatusModel):
+    """The volume's usage as the run's GC process (`offload.retention`) last reported it."""
+
+    bytes: int | None = Field(default=None, description="bytes of the stored images after the last GC pass")
+    files: int | None = Field(default=None, description="stored images after the last GC pass")
+    gc_freed_bytes: int | None = Field(default=None, description="bytes the GC passes freed so far")
+    last_gc_time: str | None = Field(default=None, json_schema_extra=TIMESTAMP)
+
+
+class OffloadSummary(OffloadUsage):
     claim_name: str
     phase: str | None = None
 
@@ -104,6 +113,7 @@ class Progress:
 
     trainer_step: int | None = None
     cache_hit_rate: float | None = None
+    offload_usage: OffloadUsage | None = None
 
 
 @dataclass(frozen=True)
@@ -172,6 +182,11 @@ def derive_status(
     the previous values). Terminal phases stick; transition times are kept for conditions whose
     status did not change. A rejected child is a condition, never a failed run."""
     progress = progress or Progress(previous.trainer_step, previous.cache_hit_rate)
+    # The volume's usage: as the GC process reported it now, else as the previous status had it.
+    usage_fields = set(OffloadUsage.model_fields)
+    usage = progress.offload_usage or OffloadUsage.model_validate(
+        previous.offload.model_dump(include=usage_fields) if previous.offload else {}
+    )
     claim_phase = ((observed.claim or {}).get("status") or {}).get("phase")
     volume_ok = claim_phase == "Bound"
     if observed.claim is None:
@@ -259,7 +274,7 @@ def derive_status(
     status = RLRunStatus(
         phase=phase,
         observed_generation=generation,
-        offload=OffloadSummary(claim_name=observed.claim_name, phase=claim_phase),
+        offload=OffloadSummary(claim_name=observed.claim_name, phase=claim_phase, **usage.model_dump()),
         engines=engines,
         orchestrator=orchestrator,
         trainer=trainer,

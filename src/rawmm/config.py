@@ -18,6 +18,7 @@ from rawmm.contract.families import Backend as ProcessorBackend
 from rawmm.contract.families import Preset
 from rawmm.duration import DURATION_PATTERN, parse_duration
 from rawmm.quantity import BYTE_SIZE_PATTERN, parse_byte_size
+from rawmm.retention_bounds import check_older_than
 
 # Which engine `rawmm serve` runs (not to be confused with rawmm.serving.engine.Engine, the interface).
 EngineKind = Literal["transformers", "vllm"]
@@ -170,8 +171,6 @@ class RetentionConfig(StrictModel):
     @field_validator("older_than")
     @classmethod
     def _older_than_is_safe(cls, value: str) -> str:
-        from rawmm.contract.gc import check_older_than
-
         check_older_than(parse_duration(value))
         return value
 

@@ -15,8 +15,9 @@ import pytest
 from PIL import Image
 
 from rawmm.contract import OffloadStore
-from rawmm.contract.gc import MIN_OLDER_THAN_S, STALE_TEMP_AGE_S, collect
-from rawmm.contract.store import GC_LOCK_NAME, REUSE_UNLOCKED_AGE_S, StoredImage, directory_lock
+from rawmm.contract.gc import STALE_TEMP_AGE_S, collect
+from rawmm.contract.store import GC_LOCK_NAME, StoredImage, directory_lock
+from rawmm.retention_bounds import MIN_OLDER_THAN_S, REUSE_UNLOCKED_AGE_S
 
 HOUR = 3600.0
 

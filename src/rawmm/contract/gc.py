@@ -38,9 +38,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rawmm.contract.store import REUSE_UNLOCKED_AGE_S, directory_lock, is_temp_name, stored_sha
+from rawmm.contract.store import directory_lock, is_temp_name, stored_sha
+from rawmm.retention_bounds import check_older_than
 
-MIN_OLDER_THAN_S = 2 * REUSE_UNLOCKED_AGE_S
 STALE_TEMP_AGE_S = 3600.0
 _FANOUT_RE = re.compile(r"[0-9a-f]{2}")
 
@@ -71,15 +71,6 @@ class GCReport:
 class _Candidate:
     path: str
     size: int
-
-
-def check_older_than(seconds: float) -> None:
-    """Refuse a bound under MIN_OLDER_THAN_S: younger files are reused without the lock (see above)."""
-    if seconds < MIN_OLDER_THAN_S:
-        raise ValueError(
-            f"older-than must be at least {MIN_OLDER_THAN_S:.0f}s: images used within the last "
-            f"{REUSE_UNLOCKED_AGE_S:.0f}s are reused without a lock and must never be collectable"
-        )
 
 
 def collect(

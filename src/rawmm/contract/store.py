@@ -31,6 +31,7 @@ from PIL import Image, UnidentifiedImageError
 
 from rawmm.contract.errors import ImageIngestError, InvalidImageRef
 from rawmm.contract.refs import check_mm_hash
+from rawmm.retention_bounds import REUSE_UNLOCKED_AGE_S
 
 MM_HASH_CHARS = 32
 _FILE_SCHEME = "file://"
@@ -38,9 +39,6 @@ _EXT_BY_FORMAT = {"PNG": "png", "JPEG": "jpg", "WEBP": "webp", "GIF": "gif"}
 _STORED_NAME_RE = re.compile(r"([0-9a-f]{64})\.(png|jpg|webp|gif|img)")
 # `_write_atomic`'s temporary files: `.<sha>.<ext>.<16 hex>.tmp` next to their final name.
 _TEMP_NAME_RE = re.compile(r"\.([0-9a-f]{64})\.(png|jpg|webp|gif|img)\.[0-9a-f]{16}\.tmp")
-# A stored file last used longer ago than this is reused only under its directory's shared GC lock; a
-# younger one is touched lock-free (garbage collection never takes files this young: see rawmm.contract.gc).
-REUSE_UNLOCKED_AGE_S = 300.0
 GC_LOCK_NAME = ".gc.lock"
 # Linux limits: longer paths or components fail with ENAMETOOLONG, which must not reach a caller as OSError.
 _PATH_MAX = 4096
