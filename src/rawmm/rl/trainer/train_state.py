@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ def load_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, p
     if not (Path(path) / ".metadata").is_file():
         raise MissingTrainState(f"{path}: no trainer state to resume from (model, optimizer and step)")
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state, "step": -1}
+    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, "step": -1}
     with _single_process_quietly():
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
