@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from retention_kit import HOUR, age, png
 
 from rawmm.config import RunConfig
 from rawmm.contract import OffloadStore
-from rawmm.run import LocalRun, plan_local_run
+from rawmm.run import LocalRun, PlanError, plan_local_run
 from rawmm.run.plan import free_port
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "local-tiny.yaml"
@@ -25,8 +26,21 @@ def tiny_config(model: str, *, retention: dict[str, object]) -> RunConfig:
         {"prompts_per_step": 1, "rollouts_per_prompt": 2, "max_turns": 2, "max_tokens": 4}
     )
     data["trainer"]["steps"] = 2
-    data["offload"] = {"retention": retention}
+    data["offload"] = {"retention": {"metrics_port": free_port(), **retention}}
     return RunConfig.model_validate(data)
+
+
+def test_a_busy_gc_metrics_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        retention = {"enabled": True, "metrics_port": port}
+        with pytest.raises(PlanError, match="offload.retention.metrics_port"):
+            plan_local_run(tiny_config("tiny:qwen2_vl", retention=retention), output_dir=tmp_path)
+        plan_local_run(
+            tiny_config("tiny:qwen2_vl", retention={**retention, "enabled": False}), output_dir=tmp_path
+        )
 
 
 def test_retention_adds_a_gc_watch_process_and_only_then(tmp_path: Path) -> None:
@@ -37,7 +51,14 @@ def test_retention_adds_a_gc_watch_process_and_only_then(tmp_path: Path) -> None
     )
     run = LocalRun(plan)
     assert run.gc is not None and run.gc in run.children
-    assert run.gc.argv[-6:] == ["gc", "--config", str(plan.config_path), "--watch", "--metrics-port", "0"]
+    assert run.gc.argv[-6:] == [
+        "gc",
+        "--config",
+        str(plan.config_path),
+        "--watch",
+        "--metrics-host",
+        "127.0.0.1",
+    ]
 
 
 @pytest.mark.slow

@@ -49,12 +49,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--watch", action="store_true", help="with --config: a pass per checkpoint until the last step"
     )
     parser.add_argument("--metrics-host", default="0.0.0.0", help="address of /metrics in --watch mode")
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        metavar="PORT",
-        help="port of /metrics (default offload.retention.metrics_port; 0 = none)",
-    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,7 +78,7 @@ def _with_flags(retention: RetentionConfig, args: argparse.Namespace) -> Retenti
     """`retention` with the --older-than / --keep-steps given, validated as the run config would be."""
     from pydantic import ValidationError
 
-    flags = {"older_than": args.older_than, "keep_steps": args.keep_steps, "metrics_port": args.metrics_port}
+    flags = {"older_than": args.older_than, "keep_steps": args.keep_steps}
     try:
         return retention.model_validate(
             {**retention.model_dump(), **{k: v for k, v in flags.items() if v is not None}}

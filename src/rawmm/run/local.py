@@ -93,7 +93,7 @@ class LocalRun:
         self.gc = (
             ChildProcess(
                 "gc",
-                rawmm_argv("gc", "--config", str(plan.config_path), "--watch", "--metrics-port", "0"),
+                rawmm_argv("gc", "--config", str(plan.config_path), "--watch", "--metrics-host", "127.0.0.1"),
                 plan.logs_dir / "gc.log",
             )
             if config.offload.retention.enabled

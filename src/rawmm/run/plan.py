@@ -70,6 +70,9 @@ def plan_local_run(
         for port in engine_ports:
             _require_free(port, "engine replica (inference.base_port)")
         urls = [f"http://127.0.0.1:{port}" for port in engine_ports]
+    retention = config.offload.retention
+    if retention.enabled and retention.metrics_port:
+        _require_free(retention.metrics_port, "GC process (offload.retention.metrics_port)")
 
     monitoring = config.monitoring.model_copy(
         update={
