@@ -306,7 +306,6 @@ def test_a_fuzzed_generate_body_is_never_a_server_error(server: Server, data: st
 @FUZZ
 @given(data=st.data())
 def test_a_fuzzed_weights_request_is_refused_with_a_reason(server: Server, data: st.DataObject) -> None:
-    version = httpx.get(f"{server.url}/health").json()["weights_version"]
     printable = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=40)
     header = data.draw(
         st.one_of(st.none(), st.just(f"Bearer {WEIGHTS_TOKEN}"), printable, printable.map("Bearer ".__add__))
@@ -319,5 +318,4 @@ def test_a_fuzzed_weights_request_is_refused_with_a_reason(server: Server, data:
     )
     headers = {"Authorization": header} if header is not None else None
     response = server.post("/v1/rawmm/weights", body, headers)
-    assert_answered(response, allowed=(400, 403))
-    assert httpx.get(f"{server.url}/health").json()["weights_version"] == version
+    assert_answered(response, allowed=(400, 403))  # never a 200: no fuzzed path is a checkpoint in the root
