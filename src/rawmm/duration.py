@@ -8,8 +8,12 @@ from __future__ import annotations
 import re
 
 _UNIT_SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
-# Units largest first, each at most once; also the `pattern` of every duration field in the RLRun schema.
-DURATION_PATTERN = r"^(?=[0-9])([0-9]+d)?([0-9]+h)?([0-9]+m)?([0-9]+s)?$"
+# Units largest first, each at most once, at least one; also the `pattern` of every duration field in the
+# RLRun schema, so RE2 syntax only (kube-apiserver refuses a CRD with a lookahead): one alternative per
+# leading unit.
+DURATION_PATTERN = (
+    r"^(([0-9]+d)([0-9]+h)?([0-9]+m)?([0-9]+s)?|([0-9]+h)([0-9]+m)?([0-9]+s)?|([0-9]+m)([0-9]+s)?|([0-9]+s))$"
+)
 _DURATION = re.compile(DURATION_PATTERN)
 
 
@@ -18,4 +22,5 @@ def parse_duration(text: str) -> int:
     match = _DURATION.match(text.strip()) if isinstance(text, str) else None
     if match is None:
         raise ValueError(f"invalid duration {text!r}: expected e.g. 90s, 10m, 1h30m or 7d (units d, h, m, s)")
-    return sum(int(part[:-1]) * _UNIT_SECONDS[part[-1]] for part in match.groups() if part)
+    units = match.groups()[1:]  # group 1 is the whole alternative
+    return sum(int(part[:-1]) * _UNIT_SECONDS[part[-1]] for part in units if part)

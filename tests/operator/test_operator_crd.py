@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -68,6 +69,20 @@ def test_schema_is_structural() -> None:
             assert isinstance(node["additionalProperties"], dict) and "properties" not in node, path
         for bound in ("exclusiveMinimum", "exclusiveMaximum"):
             assert isinstance(node.get(bound, True), bool), f"{path}: OpenAPI v3.0 wants a boolean {bound}"
+
+
+# What Python's re has and RE2 (kube-apiserver's `pattern` engine) refuses: lookaround, backreferences,
+# possessive and atomic groups.
+NOT_RE2 = re.compile(r"\(\?[=!<>]|\(\?<[=!]|\\[1-9]|[*+?}]\+|\(\?>")
+
+
+def test_every_pattern_is_re2() -> None:
+    """kube-apiserver compiles every schema pattern with RE2 and refuses the whole CRD otherwise."""
+    patterns = [(path, node["pattern"]) for path, node in schema_nodes(open_api_schema()) if "pattern" in node]
+    assert len(patterns) >= 5
+    for path, pattern in patterns:
+        assert not NOT_RE2.search(pattern), f"{path}: {pattern} is not RE2"
+        re.compile(pattern)
 
 
 def test_every_schema_default_is_valid_for_its_own_schema() -> None:
