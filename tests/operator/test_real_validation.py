@@ -5,6 +5,7 @@ bad specs are refused with the message a user reads from `kubectl apply`."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,9 +28,13 @@ def example_runs() -> list[tuple[str, dict[str, Any]]]:
 
 
 @pytest.fixture(scope="module")
-def namespace(kube_cluster: KubeCluster) -> str:
+def namespace(kube_cluster: KubeCluster) -> Iterator[str]:
     apply_crd(kube_cluster)
-    return kube_cluster.namespace("crd")
+    namespace = kube_cluster.namespace("crd")
+    yield namespace
+    # No operator saw these runs (no finalizers): they go with the namespace, before another module's
+    # cluster-wide operator would start reconciling them.
+    kube_cluster.kubectl("delete", "namespace", namespace, "--wait=false")
 
 
 def apply(cluster: KubeCluster, namespace: str, body: dict[str, Any]) -> tuple[int, str]:
