@@ -16,6 +16,7 @@ METRIC_MODULES = [
     "src/rawmm/metrics.py",
     "src/rawmm/rl/orchestrator/metrics.py",
     "src/rawmm/rl/trainer/metrics.py",
+    "src/rawmm/rl/retention/metrics.py",
     "operator/rawmm_operator/metrics.py",
 ]
 
