@@ -12,6 +12,7 @@ with backoff: neither crash-loops.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +47,9 @@ DEFAULT_TIMING = LoopTiming()
 def operator_settings() -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     settings.posting.reporting_component = "rawmm-operator"
+    # Only the operator's own transition events and kopf's warnings become Kubernetes events; kopf would
+    # otherwise post "Handler ... succeeded" on a child at every change of it.
+    settings.posting.level = logging.WARNING
     settings.peering.standalone = True
     # Filter child watches on the server: only objects labelled with a run, never every Job in the cluster.
     for group, version, plural in WATCHED_CHILDREN:
@@ -91,7 +95,7 @@ def build_registry(
                 loop.stopped.set()
             return
         loop = loops.get(key)
-        if loop is None:
+        if loop is None or (loop.task is not None and loop.task.done()):  # new, or its loop died: (re)start
             loop = loops[key] = _Loop(body)
             loop.task = asyncio.create_task(run_loop(key, loop, logger), name=f"rlrun {namespace}/{name}")
             return
@@ -129,6 +133,7 @@ def build_registry(
         try:
             while not loop.stopped.is_set():
                 loop.woken.clear()
+                outcome: Outcome | None = None
                 if blocked_generation is None or loop.generation != blocked_generation:
                     try:
                         outcome = await asyncio.to_thread(timed_reconcile, namespace, name)
@@ -165,6 +170,8 @@ def build_registry(
                         if not outcome.applying.rejected:
                             RECONCILES.labels(result="invalid" if outcome.invalid else "success").inc()
                 wait = _backoff(timing, failures) if failures else timing.resync_seconds
+                if outcome is not None and outcome.retry_soon:
+                    wait = min(wait, timing.error_backoffs[0])
                 await _sleep_until(loop.woken, loop.stopped, wait)
         finally:
             if loops.get(key) is loop:

@@ -25,6 +25,7 @@ from rawmm_operator.kube import ApiError, KubeApi, apply, merge_patch
 from rawmm_operator.progress import ProgressReader
 from rawmm_operator.spec import KIND, InvalidSpec, RLRunSpec, parse_spec
 from rawmm_operator.status import (
+    INVALID_SPEC,
     TERMINAL_PHASES,
     Applying,
     Observed,
@@ -52,6 +53,7 @@ class Outcome:
     )  # "Kind/name" -> created | patched | unchanged | deleted
     invalid: str | None = None
     applying: Applying = field(default_factory=Applying)
+    retry_soon: bool = False  # a Job changed under the pass (409): apply it again shortly
 
 
 def utc_now() -> str:
@@ -98,11 +100,15 @@ def newest_event(events: list[dict[str, Any]]) -> str | None:
     return f"{event.get('reason', '')}: {event.get('message', '')}".strip(": ")
 
 
-def stage_of(spec: RLRunSpec, status: RLRunStatus, now: str) -> builders.Stage:
-    if status.phase not in TERMINAL_PHASES:
+def stage_of(spec: RLRunSpec, current: RLRunStatus, stored: RLRunStatus, now: str) -> builders.Stage:
+    """Where the run is: `current` is this pass's view, `stored` the status written before. A run expires
+    only once its terminal phase is stored: the pass that deletes its children must not derive the
+    phase from their absence."""
+    if current.phase not in TERMINAL_PHASES:
         return "active"
     ttl = spec.ttl_seconds_after_finished
-    if ttl is not None and status.completion_time and seconds_between(status.completion_time, now) >= ttl:
+    recorded = stored.phase in TERMINAL_PHASES and stored.reason != INVALID_SPEC and stored.completion_time
+    if ttl is not None and recorded and seconds_between(stored.completion_time or now, now) >= ttl:
         return "expired"
     return "finished"
 
@@ -236,7 +242,7 @@ class Reconciler:
             now=now,
             deadline_exceeded=exceeded,
         )
-        stage = stage_of(spec, before, now)
+        stage = stage_of(spec, before, previous, now)
         outcome = Outcome(body, before, [])
         rejected: dict[str, str] = {}
         recreating: list[str] = []
@@ -265,6 +271,11 @@ class Reconciler:
             except ApiError as exc:
                 if manifest["kind"] == "PodMonitor" and exc.status == 404:
                     unavailable.append(child)
+                    continue
+                if exc.status == 409 and key[0] == "Job":
+                    # The Job changed since it was read (its controller, a queue): the rest of the pass
+                    # and the status go on; the Job is applied again on the next, soon.
+                    outcome.retry_soon = True
                     continue
                 if exc.transient:
                     raise

@@ -49,14 +49,22 @@ def test_a_jobs_suspend_changes_only_when_the_runs_does(
 
 def test_stage_follows_the_phase_and_the_ttl() -> None:
     spec = parse_spec("exp", ISSUE_EXAMPLE)
-    with_ttl = parse_spec("exp", merged(ISSUE_EXAMPLE, {"ttlSecondsAfterFinished": 600}))
+    with_ttl = parse_spec("exp", merged(ISSUE_EXAMPLE, {"ttlSecondsAfterFinished": 0}))
     running = RLRunStatus(phase="Running")
     done = RLRunStatus(phase="Succeeded", completion_time=T0)
-    assert stage_of(spec, running, T1) == "active"
-    assert stage_of(spec, done, T1) == "finished"  # no TTL: its children stay
-    assert stage_of(with_ttl, done, "2026-01-01T00:09:59Z") == "finished"
-    assert stage_of(with_ttl, done, T1) == "expired"
-    assert stage_of(with_ttl, RLRunStatus(phase="Failed", completion_time=T0), T1) == "expired"
+    assert stage_of(spec, running, running, T1) == "active"
+    assert stage_of(spec, done, done, T1) == "finished"  # no TTL: its children stay
+    # the pass that first sees the end records it; only a later one deletes (else the phase would be
+    # derived from the deleted children, and the next pass recreate them)
+    assert stage_of(with_ttl, done, running, T0) == "finished"
+    assert stage_of(with_ttl, done, done, T0) == "expired"
+    later = parse_spec("exp", merged(ISSUE_EXAMPLE, {"ttlSecondsAfterFinished": 600}))
+    assert stage_of(later, done, done, "2026-01-01T00:09:59Z") == "finished"
+    assert stage_of(later, done, done, T1) == "expired"
+    failed = RLRunStatus(phase="Failed", completion_time=T0)
+    assert stage_of(later, failed, failed, T1) == "expired"
+    invalid = RLRunStatus(phase="Failed", reason="InvalidSpec", completion_time=T0)
+    assert stage_of(later, failed, invalid, T1) == "finished"  # an invalid spec is no finished run
 
 
 def test_the_newest_event_says_why() -> None:
