@@ -203,6 +203,7 @@ def test_prometheus_rule_carries_every_alert_and_the_values_thresholds() -> None
         "RawmmRLRunFailed",
         "RawmmTrainerStalled",
         "RawmmEngineDown",
+        "RawmmOffloadVolumeNearlyFull",
     }
     hit_rate = rules["RawmmMaterializeCacheHitRateLow"]
     assert "< 0.7" in hit_rate["expr"] and "> 1" in hit_rate["expr"]

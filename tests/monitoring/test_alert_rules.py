@@ -22,7 +22,7 @@ def test_promtool_check_rules_accepts_the_rendered_rules(tmp_path: Path) -> None
     rules = write_rules_file(tmp_path / "rules.yaml", rule_groups())
     result = promtool("check", "rules", rules, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 5 rules found" in result.stdout
+    assert "SUCCESS: 6 rules found" in result.stdout
 
 
 def test_promtool_check_rules_rejects_a_broken_expression(tmp_path: Path) -> None:
@@ -38,6 +38,7 @@ def _labels(**labels: str) -> str:
 
 
 ENGINE = {"namespace": "ml", "pod": "run-engine-0", "container": "engine", "job": "ml/run"}
+GC = {"namespace": "ml", "pod": "run-offload-gc-x", "container": "gc", "job": "ml/run"}
 TRAINER = {"namespace": "ml", "pod": "run-trainer-0-x", "container": "trainer", "job": "ml/run"}
 
 
@@ -51,7 +52,8 @@ def _alert(name: str, at: str, *expected: dict[str, str]) -> dict[str, Any]:
 
 def _unit_tests() -> list[dict[str, Any]]:
     """Scenarios for the default thresholds (hit rate < 0.5 at > 0.1 lookups/s for 15m, trainer stalled
-    30m, engine down 5m); `test_scenarios_assume_the_default_thresholds` pins those."""
+    30m, engine down 5m, offload volume over 90% used for 10m); `test_scenarios_assume_the_default_thresholds`
+    pins those."""
     bad_ref = {"namespace": "ml", "pod": "run-engine-0", "reason": "hash_mismatch"}
     new_reason = {**bad_ref, "reason": "outside_offload_root"}
     old_flat = {**bad_ref, "reason": "missing_file"}
@@ -139,6 +141,24 @@ def _unit_tests() -> list[dict[str, Any]]:
                 _alert("RawmmEngineDown", "10m", {"severity": "critical", **ENGINE}),
             ],
         },
+        {
+            "interval": "1m",
+            "input_series": [
+                # 100 GiB volumes: one fills from 85% to 95% at minute 5 and stays there; one stays at 85%.
+                _series("rawmm_offload_volume_capacity_bytes", GC, "100x30"),
+                _series("rawmm_offload_volume_available_bytes", GC, "15x5 5x25"),
+                _series("rawmm_offload_volume_capacity_bytes", {**GC, "pod": "other-offload-gc-y"}, "100x30"),
+                _series("rawmm_offload_volume_available_bytes", {**GC, "pod": "other-offload-gc-y"}, "15x30"),
+            ],
+            "alert_rule_test": [
+                _alert("RawmmOffloadVolumeNearlyFull", "10m"),  # pending: not yet full for 10m
+                _alert(
+                    "RawmmOffloadVolumeNearlyFull",
+                    "20m",
+                    {"severity": "warning", "namespace": "ml", "pod": GC["pod"]},
+                ),
+            ],
+        },
     ]
 
 
@@ -152,6 +172,7 @@ def test_scenarios_assume_the_default_thresholds() -> None:
         "severity": "warning",
     }
     assert rules["trainerStalled"]["for"] == "30m" and rules["engineDown"]["for"] == "5m"
+    assert rules["offloadVolumeNearlyFull"] == {"threshold": 0.9, "for": "10m", "severity": "warning"}
 
 
 def test_each_alert_fires_on_its_condition_and_not_on_healthy_series(tmp_path: Path) -> None:

@@ -22,10 +22,17 @@ def exported_metric_names() -> set[str]:
 
     from rawmm import metrics as shared_metrics
     from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
+    from rawmm.rl.retention import metrics as retention_metrics
     from rawmm.rl.trainer import metrics as trainer_metrics
     from rawmm_operator import metrics as operator_metrics
 
-    owners = (shared_metrics, trainer_metrics, operator_metrics, OrchestratorMetrics(CollectorRegistry()))
+    owners = (
+        shared_metrics,
+        trainer_metrics,
+        retention_metrics,
+        operator_metrics,
+        OrchestratorMetrics(CollectorRegistry()),
+    )
     collectors = [
         value for owner in owners for value in vars(owner).values() if isinstance(value, MetricWrapperBase)
     ]
@@ -138,6 +145,10 @@ REQUIRED_METRICS = {
         "rawmm_rollouts_total",
         "rawmm_samples_dropped_total",
         "rawmm_materialize_seconds_bucket",
+        "rawmm_offload_volume_available_bytes",
+        "rawmm_offload_volume_capacity_bytes",
+        "rawmm_offload_bytes",
+        "rawmm_offload_gc_freed_bytes_total",
     },
     "operator": {
         "rawmm_operator_reconciles_total",
