@@ -3,7 +3,8 @@
 One set of runs serves every test here (each torchrun launch costs seconds):
 - `single`: one process trains step 1;
 - `no_stop`: two FSDP ranks train steps 1-2 in one launch;
-- `resumed`: two FSDP ranks train step 1, exit, and a second launch resumes for step 2.
+- `resumed`: two FSDP ranks train step 1, exit, and a second launch resumes for step 2;
+- `checkpointed`: two FSDP ranks train step 1 with activation checkpointing.
 Step 1's batch is laid out so that every lockstep case occurs: five micro-batches over two ranks (rank 1
 runs a filler alone), a text-only micro-batch next to image ones (filler appended) and a missing
 image under `zero_loss`.
@@ -35,7 +36,7 @@ from rawmm.rl.trainer.distributed import init_distributed
 from rawmm.rl.trainer.lockstep import rank_slots
 from rawmm.rl.trainer.loop import Trainer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # four torchrun launches, once per module
 SEQ = 64
 
 
@@ -111,6 +112,12 @@ def runs(tiny_qwen2_vl: Path, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     assert latest_step(config.checkpoints_dir) == 1
     lines["resumed"] += torchrun(config_file, 2)
     keep("resumed")
+    recomputing = config.model_copy(
+        update={"trainer": config.trainer.model_copy(update={"activation_checkpointing": True})}
+    )
+    config_file.write_text(yaml.safe_dump(recomputing.model_dump(mode="json")))
+    lines["checkpointed"] = torchrun(config_file, 1)
+    keep("checkpointed")
     return Runs(config, lines, checkpoints)
 
 
@@ -118,8 +125,9 @@ def weights(runs: Runs, name: str, step: int) -> dict[str, torch.Tensor]:
     return load_file(checkpoint_dir(runs.checkpoints[name], step) / "model.safetensors")
 
 
-def test_one_fsdp_step_makes_the_same_update_as_one_process(runs, tiny_qwen2_vl):
-    [single], fsdp = runs.lines["single"], runs.lines["resumed"][0]
+@pytest.mark.parametrize("run", ["resumed", "checkpointed"])
+def test_one_fsdp_step_makes_the_same_update_as_one_process(runs, run, tiny_qwen2_vl):
+    [single], fsdp = runs.lines["single"], runs.lines[run][0]
     assert fsdp["step"] == 1
     # Packing, zero_loss and dedupe as in one process: the same loss tokens, images and missing images
     # (images are summed over ranks; fillers count nowhere).
@@ -130,7 +138,7 @@ def test_one_fsdp_step_makes_the_same_update_as_one_process(runs, tiny_qwen2_vl)
     assert fsdp["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-5)
 
     base = load_file(tiny_qwen2_vl / "model.safetensors")
-    one, sharded = weights(runs, "single", 1), weights(runs, "resumed", 1)
+    one, sharded = weights(runs, "single", 1), weights(runs, run, 1)
     assert sharded.keys() == one.keys() == base.keys()
     # As in test_data_parallel: AdamW's first step moves every weight by about lr * sign(grad), so a
     # wrong gradient element shows as ~lr there; 5% of lr leaves room for summation order only.

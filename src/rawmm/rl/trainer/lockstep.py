@@ -11,7 +11,8 @@ sample (with images when the step has any) whose loss mask and advantages are ze
 the micro-batch (or alone). It contributes nothing to the loss, the loss-token count or any
 gradient, and block-diagonal attention keeps the real samples from seeing it. Its images are
 stand-in pixels of the right shape, never read from disk, and count in no image statistic.
-The micro-batches themselves are the ones `pack_samples` made, as under DDP.
+The micro-batches themselves are the ones `pack_samples` made, as under DDP; one with a filler is
+longer than `micro_batch_tokens` by the filler's length (at most `seq_len`).
 """
 
 from __future__ import annotations

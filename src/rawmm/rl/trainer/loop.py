@@ -185,6 +185,7 @@ class Trainer:
         if slot.filler is None:
             assert real is not None  # a slot without filler is a micro-batch of the step
             return real
+        # The materializer's own stand-in pixels (black, the ref's grid), as for a missing image.
         return append_filler(real, slot.filler, self.materializer._stand_in_inputs)
 
     def _backward(self, m: MaterializedMicroBatch, step_tokens: int) -> torch.Tensor:
