@@ -75,6 +75,8 @@ def run_config(tmp_path: Path, model: Path, ports: dict[str, int]) -> Path:
             "orchestrator_metrics_port": ports["orchestrator"],
             "trainer_metrics_port": ports["trainer"],
         },
+        # The GC process: the offload volume's usage for its dashboard panels.
+        "offload": {"retention": {"enabled": True, "metrics_port": ports["gc"]}},
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -205,6 +207,7 @@ class TinyRun:
             "engine": f"{RUN_NAME}-engine-0",
             "orchestrator": f"{RUN_NAME}-orchestrator-x7k2p",
             "trainer": f"{RUN_NAME}-trainer-0-q9d4w",
+            "gc": f"{RUN_NAME}-offload-gc-m3x8v",
         }
         return [
             ScrapeTarget(self.ports[c], {**RUN_LABELS, "pod": pod, "container": c}) for c, pod in pods.items()
@@ -214,7 +217,7 @@ class TinyRun:
 @pytest.fixture
 def tiny_run(tmp_path: Path, tiny_qwen2_vl: Path) -> Iterator[TinyRun]:
     """`rawmm run` of the tiny model: engine, orchestrator and trainer exporters on loopback ports."""
-    ports = {name: free_port() for name in ("engine", "orchestrator", "trainer")}
+    ports = {name: free_port() for name in ("engine", "orchestrator", "trainer", "gc")}
     config = run_config(tmp_path, tiny_qwen2_vl, ports)
     log = tmp_path / "run.log"
     with log.open("w") as out:
