@@ -84,8 +84,10 @@ demo: $(INSTALLED)
 	rm -rf runs/demo
 	$(VENV)/bin/rawmm run examples/local-tiny.yaml --output-dir runs/demo
 
+# ruff over everything; mypy over src and operator (pyproject's [tool.mypy]: strict on the typed core).
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check src operator tests bench
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
