@@ -1,4 +1,5 @@
-"""Two data-parallel ranks (torchrun, gloo on CPU) must make the same update as one process."""
+"""Two data-parallel ranks (torchrun, gloo on CPU) must make the same updates as one process, also
+across a stop: the second launch resumes with the first one's AdamW state."""
 
 from __future__ import annotations
 
@@ -18,44 +19,55 @@ from rawmm.rl.trainer.distributed import init_distributed
 from rawmm.rl.trainer.loop import Trainer
 
 
-@pytest.mark.slow
-def test_two_ranks_make_the_same_update_as_one(rollouts, make_config, tmp_path):
-    config = make_config(seq_len=64, micro_batch_tokens=64)
-    samples = rollouts.standard_batch()
-    # Several micro-batches, an odd number: the ranks get unequal shares.
-    assert len(pack_samples(samples, 64)) % 2 == 1 and len(pack_samples(samples, 64)) >= 3
-    rollouts.write(1, samples)
-
-    [single] = Trainer(config, init_distributed()).run(1, batch_timeout=5)
-    base = load_file(rollouts.config.model.path + "/model.safetensors")
-    single_weights = load_file(checkpoint_dir(config.checkpoints_dir, 1) / "model.safetensors")
-    config.checkpoints_dir.rename(tmp_path / "single-process-checkpoints")  # the DP run starts from the base
-
-    config_file = tmp_path / "run.yaml"
-    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+def torchrun(config_file, steps: int) -> dict:  # noqa: ANN001
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     done = subprocess.run(
-        [*torchrun, "-m", "rawmm.cli", "train", str(config_file), "--steps", "1", "--batch-timeout", "30"],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + ["-m", "rawmm.cli", "train", str(config_file), "--steps", str(steps), "--batch-timeout", "30"],
         env=env,
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    [parallel] = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"')]
+    [line] = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"')]
+    return line
 
-    assert parallel["loss_tokens"] == single.loss_tokens
-    assert parallel["images"] == single.images  # summed over ranks (each rank dedupes its own share)
-    assert parallel["loss"] == pytest.approx(single.loss, abs=1e-6)
-    assert parallel["grad_norm"] == pytest.approx(single.grad_norm, rel=1e-5)
-    parallel_weights = load_file(checkpoint_dir(config.checkpoints_dir, 1) / "model.safetensors")
-    assert parallel_weights.keys() == single_weights.keys()
-    # AdamW's first step moves every weight by about lr * sign(grad), so a gradient that is wrong in
-    # any element shows as a difference of ~lr there. Gradient elements near AdamW's eps differ by
-    # float summation order alone; 5% of lr leaves room for that and for nothing else.
+
+@pytest.mark.slow
+def test_two_ranks_make_the_same_updates_as_one_also_after_a_resume(rollouts, make_config, tmp_path):
+    config = make_config(seq_len=64, micro_batch_tokens=64)
+    samples = rollouts.standard_batch()
+    # Several micro-batches, an odd number: the ranks get unequal shares.
+    assert len(pack_samples(samples, 64)) % 2 == 1 and len(pack_samples(samples, 64)) >= 3
+    rollouts.write(1, samples)
+    rollouts.write(2, rollouts.standard_batch(seed=3))
+
+    single = Trainer(config, init_distributed()).run(2, batch_timeout=5)
+    single_dir = config.checkpoints_dir.rename(
+        tmp_path / "single-process-checkpoints"
+    )  # DP starts from the base
+
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    parallel = [torchrun(config_file, 1), torchrun(config_file, 2)]  # the second launch resumes
+
+    base = load_file(rollouts.config.model.path + "/model.safetensors")
     lr = config.trainer.learning_rate
-    moved = max((t - base[name]).abs().max().item() for name, t in single_weights.items())
-    assert moved == pytest.approx(lr, rel=1e-3)
-    for name, tensor in single_weights.items():
-        torch.testing.assert_close(parallel_weights[name], tensor, rtol=0, atol=0.05 * lr, msg=name)
+    for step in (1, 2):
+        one, two = single[step - 1], parallel[step - 1]
+        assert two["step"] == step and two["loss_tokens"] == one.loss_tokens
+        assert two["images"] == one.images  # summed over ranks (each rank dedupes its own share)
+        assert two["loss"] == pytest.approx(one.loss, abs=1e-6)
+        assert two["grad_norm"] == pytest.approx(one.grad_norm, rel=1e-5)
+        single_weights = load_file(checkpoint_dir(single_dir, step) / "model.safetensors")
+        parallel_weights = load_file(checkpoint_dir(config.checkpoints_dir, step) / "model.safetensors")
+        assert parallel_weights.keys() == single_weights.keys() == base.keys()
+        # An AdamW step moves every weight by at most about lr (exactly lr * sign(grad) on the first), so a
+        # wrong gradient element or optimizer moment shows as a difference of ~lr there. Gradient elements
+        # near AdamW's eps differ by float summation order alone; 5% of lr leaves room for that only.
+        if step == 1:
+            moved = max((t - base[name]).abs().max().item() for name, t in single_weights.items())
+            assert moved == pytest.approx(lr, rel=1e-3)
+        for name, tensor in single_weights.items():
+            torch.testing.assert_close(parallel_weights[name], tensor, rtol=0, atol=0.05 * lr, msg=name)
