@@ -284,7 +284,11 @@ class Reconciler:
             live[key] = applied.object
             outcome.actions[child] = applied.action
         if stage == "finished":
-            self._release_jobs(run, [live[roles["orchestrator"]], live[roles["trainer"]]], outcome)
+            # Every Job of the run: orchestrator, trainer and, with retention, the offload GC.
+            jobs = [
+                j for j in self.api.list("Job", run.namespace, {RUN_LABEL: run.name}) if _owned_by(j, run)
+            ]
+            self._release_jobs(run, jobs, outcome)
         self._prune(run, stage, {(m["kind"], m["metadata"]["name"]) for m in built}, outcome)
         if stage == "expired":
             live.update({key: None for key in live if key[0] != "PersistentVolumeClaim"})
@@ -320,11 +324,11 @@ class Reconciler:
         self.api.delete("Job", run.namespace, meta["name"], uid=meta.get("uid"))
         return "deleted"
 
-    def _release_jobs(self, run: RunRef, jobs: list[dict[str, Any] | None], outcome: Outcome) -> None:
-        """A finished run's surviving Job (the trainer failed, the orchestrator still waits) is suspended:
-        its pods go, it stays for its logs and counts."""
+    def _release_jobs(self, run: RunRef, jobs: list[dict[str, Any]], outcome: Outcome) -> None:
+        """A finished run's surviving Jobs (the trainer failed, the orchestrator still waits, the offload
+        GC watches) are suspended: their pods go, they stay for their logs and counts."""
         for job in jobs:
-            if job is None or _job_finished(job) or (job.get("spec") or {}).get("suspend"):
+            if _job_finished(job) or (job.get("spec") or {}).get("suspend"):
                 continue
             name = job["metadata"]["name"]
             self.api.patch("Job", run.namespace, name, {"spec": {"suspend": True}})
