@@ -8,8 +8,11 @@ In tests, take the session-scoped `kube_cluster` fixture (tests/conftest.py) and
         kube_cluster.kubectl("apply", "-n", ns, "-f", "manifests/examples/tiny-cpu.yaml")
         core = kubernetes.client.CoreV1Api(kube_cluster.api_client())
         token_config = kube_cluster.service_account_kubeconfig(ns, "rawmm-operator")
-        with kube_cluster.operator(token_config, namespace=ns) as op:   # the real `rawmm operator`
-            ...                                                        # op.log() on failure
+        with kube_cluster.operator(token_config) as op:   # the real `rawmm operator`, every namespace
+            ...                                            # op.log() on failure
+
+(`operator(namespace=...)` watches one namespace; kopf then lists namespaces, which the chart grants only
+to a namespaced install: with the default cluster-wide RBAC it retries on 403s for about a minute.)
 
 The API server authorizes with RBAC; the admin kubeconfig is a client certificate in system:masters,
 `service_account_kubeconfig` one with a token for a ServiceAccount (TokenRequest). Fake nodes (kwok) run
@@ -275,6 +278,8 @@ class KubeCluster:
         with self.audit_log.open() as log:
             log.seek(since)
             for line in log:
+                if not line.endswith("\n"):
+                    break  # being written
                 event = json.loads(line)
                 if event.get("user", {}).get("username") == username:
                     events.append(event)
