@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
-from operator_samples import CPU_ONLY, merged
+from kube.emulator import Cluster, emulated_cluster, running_operator
+from operator_samples import CPU_ONLY, RLRUNS_URL, eventually, merged, rlrun, run_status
 from prometheus_client import REGISTRY, start_http_server
 from test_operator_builders import KUBERNETES_VERSIONS, RUN, children, pod_spec
 from test_operator_progress import PodList, pod
@@ -16,6 +18,7 @@ from test_operator_progress import PodList, pod
 from rawmm.config import RunConfig
 from rawmm.contract.gc import GCReport
 from rawmm_operator.builders import RUN_LABEL, TEMPLATE_HASH, build_children
+from rawmm_operator.handlers import LoopTiming
 from rawmm_operator.progress import ProgressReader
 from rawmm_operator.spec import InvalidSpec, parse_spec
 from rawmm_operator.status import Observed, Progress, RLRunStatus, derive_status
@@ -91,3 +94,39 @@ def test_the_status_reports_the_volume_usage_the_gc_pod_exports(tmp_path: Path) 
     # A pass without a fresh scrape keeps what the status had.
     again = derive_status(suspend=False, generation=1, observed=observed, previous=status, now=now)
     assert again.dump()["offload"] == offload
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Cluster]:
+    async with emulated_cluster() as running:
+        yield running
+
+
+@pytest.mark.cluster
+async def test_the_operator_creates_the_gc_job_and_shows_the_volume_usage(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    from rawmm.rl.retention import metrics  # the GC process's own exporter
+
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=REGISTRY)
+    try:
+        metrics.export(
+            GCReport(dry_run=False, removed_bytes=10, remaining_files=5, remaining_bytes=640), tmp_path
+        )
+        body = pod("exp-offload-gc-abcde", "offload-gc", "metrics", server.server_port)
+        assert (await cluster.emulator.post("/api/v1/namespaces/ml/pods", json=body)).status < 300
+        timing = LoopTiming(resync_seconds=0.2, error_backoffs=(0.1,), progress_seconds=0.0)
+        async with running_operator(cluster, timing=timing):
+            assert (await cluster.emulator.post(RLRUNS_URL, json=rlrun("exp", RETAINED))).status < 300
+            await eventually(
+                lambda: cluster.object("batch/v1/jobs", "ml", "exp-offload-gc"), what="the GC Job"
+            )
+            await eventually(
+                lambda: run_status(cluster).get("offload", {}).get("files") == 5, what="the usage"
+            )
+            offload = run_status(cluster)["offload"]
+            assert offload["bytes"] == 640 and offload["claimName"] == "exp-offload" and offload["lastGcTime"]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
