@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,14 +79,13 @@ def collect(
     older_than: float,
     keep: Collection[str] = frozenset(),
     dry_run: bool = False,
-    now: Callable[[], float] = time.time,
 ) -> GCReport:
     """One pass over the store at ``root``. ``keep`` holds sha256 hex prefixes (``mm_hash`` values, 32
     characters) of images to keep whatever their age; ``dry_run`` changes nothing (no lock files either)."""
     check_older_than(older_than)
     started = time.perf_counter()
     report = GCReport(dry_run=dry_run)
-    started_at = now()
+    started_at = time.time()
     cutoff, temp_cutoff = started_at - older_than, started_at - STALE_TEMP_AGE_S
     prefixes = {len(k) for k in keep}
     for directory in _fanout_dirs(Path(root)):
