@@ -9,187 +9,37 @@ collector removes every child; an operator restart mid-run duplicates nothing.""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
-import yaml
-from kube.cluster import NODES, KubeCluster, OperatorProcess, wait_for
-from kube.installs import RELEASE_NAMESPACE, helm_release
+from kube.cluster import NODES, KubeCluster, wait_for
 from operator_samples import merged
-
-from rawmm_operator.builders import RUN_LABEL, RunRef, build_children
-from rawmm_operator.spec import parse_spec
+from real_runs import (
+    SPEC,
+    TIMEOUT,
+    UNOBSERVED_GRANTS,
+    ChartRelease,
+    Run,
+    granted,
+    installed_chart,
+    remove_runs,
+    used,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-SPEC: dict[str, Any] = {
-    "model": {"name": "Qwen/Qwen3-VL-4B-Instruct", "preset": "qwen3_vl"},
-    "offload": {"size": "20Gi", "retainOnDelete": False},
-    "inference": {"replicas": 2, "gpus": 1, "materializeCacheSize": "4Gi"},
-    "trainer": {"gpusPerNode": 8, "steps": 10},
-}
-CHILD_KINDS = "persistentvolumeclaims,configmaps,services,statefulsets,jobs,podmonitors"
-TIMEOUT = 60
-
-
-@dataclass(frozen=True)
-class ChartRelease:
-    manifest: str  # what Helm created
-    user: str  # the operator's ServiceAccount, as the API server names it
-    kubeconfig: Path  # a token of that ServiceAccount
 
 
 @pytest.fixture(scope="module")
 def chart_release(kube_cluster: KubeCluster) -> Iterator[ChartRelease]:
-    """The chart installed (on a cluster with the prometheus-operator CRDs), and a kubeconfig of its
-    ServiceAccount, so the operator has exactly the chart's grants."""
-    kube_cluster.monitoring_crds(True)
-    with helm_release(kube_cluster) as release:
-        (account,) = [
-            doc["metadata"]["name"]
-            for doc in _documents(release["manifest"])
-            if doc["kind"] == "ServiceAccount"
-        ]
-        yield ChartRelease(
-            release["manifest"],
-            f"system:serviceaccount:{RELEASE_NAMESPACE}:{account}",
-            kube_cluster.service_account_kubeconfig(RELEASE_NAMESPACE, account),
-        )
-
-
-def _documents(manifest: str) -> list[dict[str, Any]]:
-    return [doc for doc in yaml.safe_load_all(manifest) if doc]
-
-
-@dataclass
-class Run:
-    """One RLRun in its own namespace, read back through the admin's kubectl."""
-
-    cluster: KubeCluster
-    namespace: str
-    name: str = "exp"
-
-    def get(self, *args: str) -> dict[str, Any]:
-        return json.loads(self.cluster.kubectl("get", "-n", self.namespace, "-o", "json", *args).stdout)
-
-    def create(self, spec: dict[str, Any]) -> None:
-        body = {
-            "apiVersion": "rawmm.dev/v1alpha1",
-            "kind": "RLRun",
-            "metadata": {"name": self.name},
-            "spec": spec,
-        }
-        self.cluster.kubectl("apply", "-n", self.namespace, "-f", "-", input=json.dumps(body))
-
-    def patch(self, spec: dict[str, Any]) -> None:
-        self.cluster.kubectl(
-            "patch",
-            "rlrun",
-            self.name,
-            "-n",
-            self.namespace,
-            "--type=merge",
-            "-p",
-            json.dumps({"spec": spec}),
-        )
-
-    def body(self) -> dict[str, Any]:
-        return self.get("rlrun", self.name)
-
-    def status(self) -> dict[str, Any]:
-        return self.body().get("status") or {}
-
-    def condition(self, type_: str) -> dict[str, Any]:
-        return next((c for c in self.status().get("conditions", []) if c["type"] == type_), {})
-
-    def expected_children(self) -> set[tuple[str, str]]:
-        body = self.body()
-        built = build_children(
-            RunRef(self.name, self.namespace, body["metadata"]["uid"]), parse_spec(self.name, body["spec"])
-        )
-        return {(m["kind"], m["metadata"]["name"]) for m in built}
-
-    def children(self) -> dict[tuple[str, str], dict[str, Any]]:
-        items = self.get(CHILD_KINDS, "-l", f"{RUN_LABEL}={self.name}")["items"]
-        return {(item["kind"], item["metadata"]["name"]): item for item in items}
-
-    def pods(self, component: str | None = None) -> list[dict[str, Any]]:
-        pods = self.get("pods", "-l", f"{RUN_LABEL}={self.name}")["items"]
-        return [
-            p
-            for p in pods
-            if component is None or p["metadata"]["labels"].get("app.kubernetes.io/component") == component
-        ]
-
-    def running_pods(self, component: str) -> list[dict[str, Any]]:
-        return [p for p in self.pods(component) if p["status"].get("phase") == "Running"]
-
-    def wait(self, check: Callable[[], Any], what: str, operator: OperatorProcess) -> Any:
-        """wait_for, failing with the run's status and the operator's log (a 403 shows there)."""
-        try:
-            return wait_for(check, what, TIMEOUT, 0.3)
-        except TimeoutError as exc:
-            raise AssertionError(
-                f"{exc}; status {self.status()}\n--- operator log ---\n{operator.log()[-4000:]}"
-            ) from None
-
-    def wait_phase(self, phase: str, operator: OperatorProcess) -> dict[str, Any]:
-        return self.wait(
-            lambda: self.status() if self.status().get("phase") == phase else None, f"phase {phase}", operator
-        )
-
-    def wait_running(self, operator: OperatorProcess, engines: int = SPEC["inference"]["replicas"]) -> None:
-        """Every child made, every pod on a fake node and Running, and the run's phase Running."""
-        expected = self.expected_children()
-        self.wait(lambda: expected <= set(self.children()), f"children {sorted(expected)}", operator)
-        for component, count in (
-            ("engine", engines),
-            ("orchestrator", 1),
-            ("trainer", 1),
-        ):
-            wait_for(
-                lambda c=component, n=count: len(self.running_pods(c)) == n,
-                f"{count} {component} pod(s) Running",
-                TIMEOUT,
-                0.3,
-            )
-        self.wait_phase("Running", operator)
-
-    def event_reasons(self) -> set[str]:
-        events = self.get("events", f"--field-selector=involvedObject.name={self.name}")["items"]
-        return {e["reason"] for e in events if e["involvedObject"]["kind"] == "RLRun"}
-
-    def finish(self, component: str, exit_code: int) -> None:
-        (pod,) = self.running_pods(component)
-        self.cluster.finish_pod(self.namespace, pod["metadata"]["name"], exit_code)
-
-    def engines_released(self) -> bool:
-        (statefulset,) = [c for (kind, _), c in self.children().items() if kind == "StatefulSet"]
-        return statefulset["spec"]["replicas"] == 0 and not self.pods("engine")
+    with installed_chart(kube_cluster) as release:
+        yield release
 
 
 @pytest.fixture
 def run(kube_cluster: KubeCluster, chart_release: ChartRelease) -> Iterator[Run]:
     namespace = kube_cluster.namespace("life")
     yield Run(kube_cluster, namespace)
-    # The operator is gone by now: lift its finalizer so the run, its children and their pods (and the
-    # GPUs they hold on the fake nodes) go away with the namespace.
-    kube_cluster.kubectl("delete", "rlrun", "--all", "-n", namespace, "--wait=false")
-    kube_cluster.kubectl(
-        "patch",
-        "rlrun",
-        "exp",
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        '{"metadata":{"finalizers":null}}',
-        check=False,
-    )
-    kube_cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+    remove_runs(kube_cluster, namespace)
 
 
 def test_a_run_is_created_runs_and_succeeds(
@@ -301,48 +151,6 @@ def test_an_operator_restart_mid_run_duplicates_nothing(
         assert len(run.pods("trainer")) == 1 and len(run.pods("engine")) == 2
 
 
-# Granted by the chart but never a request of their own, each for a reason.
-UNOBSERVED_GRANTS = {
-    # OwnerReferencesPermissionEnforcement checks it on every child created with blockOwnerDeletion (a
-    # missing grant is a 403 on that create): an authorization check, not a request.
-    ("update", "rawmm.dev", "rlruns/finalizers"),
-    # Pruning children no longer built and deleting an expired run's children (ttlSecondsAfterFinished):
-    # not in this scenario; test_real_operator_reconcile.py makes (and checks) them as the same account.
-    ("delete", "", "configmaps"),
-    ("delete", "", "services"),
-    ("delete", "", "secrets"),
-    ("delete", "apps", "statefulsets"),
-    ("delete", "monitoring.coreos.com", "podmonitors"),
-}
-
-
-def granted(manifest: str) -> set[tuple[str, str, str]]:
-    """(verb, API group, resource[/subresource]) of every rule of the chart's ClusterRoles."""
-    return {
-        (verb, group, resource)
-        for doc in _documents(manifest)
-        if doc["kind"] == "ClusterRole"
-        for rule in doc["rules"]
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-        for verb in rule["verbs"]
-    }
-
-
-def used(events: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
-    """(verb, API group, resource[/subresource]) of every request; a server-side apply that created its
-    object (201) needed `create` as well as `patch`."""
-    accesses = set()
-    for event in events:
-        ref = event.get("objectRef")
-        if ref and ref.get("resource"):  # discovery (/api, /apis) needs no grant
-            resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
-            accesses.add((event["verb"], ref.get("apiGroup", ""), resource))
-            if event["verb"] == "patch" and event["responseStatus"]["code"] == 201:
-                accesses.add(("create", ref.get("apiGroup", ""), resource))
-    return accesses
-
-
 def test_the_operator_needs_exactly_the_charts_grants(
     kube_cluster: KubeCluster, chart_release: ChartRelease
 ) -> None:
@@ -389,16 +197,4 @@ def test_the_operator_needs_exactly_the_charts_grants(
     unused = granted(chart_release.manifest) - used(events) - UNOBSERVED_GRANTS
     assert not unused, f"granted by the chart, never used: {sorted(unused)}"
     for namespace in (run.namespace, stuck.namespace):
-        kube_cluster.kubectl("delete", "rlrun", "--all", "-n", namespace, "--wait=false")
-        kube_cluster.kubectl(
-            "patch",
-            "rlrun",
-            "exp",
-            "-n",
-            namespace,
-            "--type=merge",
-            "-p",
-            '{"metadata":{"finalizers":null}}',
-            check=False,
-        )
-        kube_cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+        remove_runs(kube_cluster, namespace)
