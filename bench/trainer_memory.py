@@ -6,6 +6,7 @@ with images. After the last step each rank reports the bytes it holds of
 - parameters, gradients and AdamW state (its local shards under FSDP): the part FSDP divides by world;
 - on CUDA also the allocator's peak (which adds activations and FSDP's transient all-gathers).
 Step time is the median of the steps after the first, without the checkpoint write (reported apart).
+It runs on CUDA where there is a GPU per rank, on CPU (gloo) otherwise.
 
     .venv/bin/python bench/trainer_memory.py [--steps 4] [--width 4] [--layers 4]
 """
@@ -126,7 +127,11 @@ def worker(config_file: str, steps: int) -> None:
 
 def launch(config_file: Path, steps: int) -> list[dict]:
     shutil.rmtree(config_file.parent / "shared" / "checkpoints", ignore_errors=True)  # from the base model
+    import torch
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if torch.cuda.device_count() < WORLD:  # NCCL wants a GPU per rank: fewer GPUs means a CPU run (gloo)
+        env["CUDA_VISIBLE_DEVICES"] = ""
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD)]
         + [__file__, "--worker", str(config_file), "--steps", str(steps)],
