@@ -40,7 +40,9 @@ K8S_VERSION := v1.37.2
 K8S_STAMP := k8s.io/component-base/version
 K8S_LDFLAGS := -s -w -X $(K8S_STAMP).gitVersion=$(K8S_VERSION) -X $(K8S_STAMP).gitMajor=1 \
   -X $(K8S_STAMP).gitMinor=37 -X $(K8S_STAMP).gitTreeState=clean
-GO_BUILD := GOTOOLCHAIN=local GOFLAGS=-buildvcs=false nice -n 10 go build -trimpath
+# The Go toolchain of the machine (/usr/local/go when it is not on PATH).
+GO := $(or $(shell command -v go 2>/dev/null),/usr/local/go/bin/go)
+GO_BUILD := GOTOOLCHAIN=local GOFLAGS=-buildvcs=false nice -n 10 $(GO) build -trimpath
 
 $(K8S_CONTROL_PLANE) &: tools/k8s/kubernetes/go.mod tools/k8s/kubernetes/go.sum
 	mkdir -p $(K8S)
@@ -59,8 +61,8 @@ $(K8S)/kwok: tools/k8s/kwok/go.mod tools/k8s/kwok/go.sum
 # The monitoring.coreos.com CRDs (ServiceMonitor, PodMonitor, PrometheusRule...), from the pinned module's files.
 $(K8S)/prometheus-operator-crds: tools/k8s/prometheus-operator/go.mod tools/k8s/prometheus-operator/go.sum
 	rm -rf $@ && mkdir -p $@
-	cd tools/k8s/prometheus-operator && go mod download github.com/prometheus-operator/prometheus-operator && \
-	  cp "$$(go list -m -f '{{.Dir}}' github.com/prometheus-operator/prometheus-operator)"/example/prometheus-operator-crd/*.yaml \
+	cd tools/k8s/prometheus-operator && $(GO) mod download github.com/prometheus-operator/prometheus-operator && \
+	  cp "$$($(GO) list -m -f '{{.Dir}}' github.com/prometheus-operator/prometheus-operator)"/example/prometheus-operator-crd/*.yaml \
 	  $(CURDIR)/$@/
 	chmod u+w $@/*.yaml
 
