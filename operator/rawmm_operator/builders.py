@@ -206,7 +206,7 @@ def _volumes(run: RunRef, spec: RLRunSpec, role: PodSettings, *, config: bool) -
 
 
 def _mounts(role: PodSettings, *, config: bool) -> list[dict[str, Any]]:
-    mounts = [
+    mounts: list[dict[str, Any]] = [
         {"name": "shared", "mountPath": str(SHARED_MOUNT)},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "dshm", "mountPath": "/dev/shm"},
@@ -511,7 +511,7 @@ def trainer_command(run: RunRef, spec: RLRunSpec) -> list[str]:
 def build_trainer_job(run: RunRef, spec: RLRunSpec) -> Manifest:
     trainer = spec.trainer
     command = trainer_command(run, spec)
-    env = list(COMMON_ENV)
+    env: list[dict[str, Any]] = list(COMMON_ENV)
     ports = [{"name": "metrics", "containerPort": spec.monitoring.trainer_metrics_port, "protocol": "TCP"}]
     if trainer.nodes > 1:
         env.append(

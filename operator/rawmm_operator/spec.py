@@ -98,6 +98,11 @@ def _is_byte_size(value: int | str) -> bool:
     return True
 
 
+def _memory_is_a_byte_size(part: str) -> Callable[[Any], bool]:
+    """The rule check that `resources.<part>.memory` (requests or limits) is a plain byte size."""
+    return lambda spec: _is_byte_size(getattr(spec.resources, part).get("memory", 0))
+
+
 def _schema_extra(schema: dict[str, Any], cls: type[BaseModel]) -> None:
     rules: tuple[Rule, ...] = getattr(cls, "rules", ())
     transitions: tuple[dict[str, str], ...] = getattr(cls, "transition_rules", ())
@@ -167,7 +172,7 @@ class PodSettings(SpecModel):
     builds: env, labels and annotations are added (the operator's own labels win), lists are appended,
     the rest set the pod spec field of the same name."""
 
-    rules = (
+    rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
             cel=None,
             message=f"volumes may not be named {', '.join(sorted(RESERVED_VOLUMES))} (the operator's own)",
@@ -295,7 +300,7 @@ class InferenceSpec(PodSettings, InferenceSettings):
                 # the operator only: a regex over unbounded map values would blow CEL's cost budget.
                 cel=None,
                 message=f"resources.{part}.memory must be bytes or a quantity such as 16Gi",
-                holds=lambda s, part=part: _is_byte_size(getattr(s.resources, part).get("memory", 0)),
+                holds=_memory_is_a_byte_size(part),
             )
             for part in ("requests", "limits")
         ),

@@ -15,7 +15,7 @@ TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
 INVALID_SPEC = "InvalidSpec"
 # Condition reasons that are a warning event when they appear.
 WARNING_REASONS = frozenset({"Failed", "ChildRejected"})
-TIMESTAMP = {"format": "date-time"}
+TIMESTAMP: dict[str, Any] = {"format": "date-time"}
 
 
 class StatusModel(BaseModel):
