@@ -100,3 +100,23 @@ def test_garbage_latest_is_an_error(tmp_path):
     (tmp_path / LATEST).write_text("step three")
     with pytest.raises(ValueError, match="should hold a step number"):
         latest_step(tmp_path)
+
+
+def test_gathered_tied_weights_are_written_once_as_for_an_unsharded_model(tiny_qwen2_vl, tmp_path):
+    from transformers import AutoConfig, Qwen2VLForConditionalGeneration
+
+    from rawmm.rl.trainer.checkpoint import _share_tied
+
+    config = AutoConfig.from_pretrained(tiny_qwen2_vl)
+    config.tie_word_embeddings = config.text_config.tie_word_embeddings = True
+    model = Qwen2VLForConditionalGeneration(config)
+    assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
+    model.save_pretrained(tmp_path / "unsharded")
+    # A full-state-dict gather returns one tensor per name, tied or not.
+    gathered = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    model.save_pretrained(tmp_path / "gathered", state_dict=_share_tied(model, gathered))
+    want = load_file(tmp_path / "unsharded" / "model.safetensors")
+    got = load_file(tmp_path / "gathered" / "model.safetensors")
+    assert got.keys() == want.keys() and "lm_head.weight" not in got
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name

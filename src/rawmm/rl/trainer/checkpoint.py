@@ -66,6 +66,17 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _share_tied(model: torch.nn.Module, weights: dict[str, Any]) -> dict[str, Any]:
+    """Names of one parameter (tied embeddings) point at one gathered tensor, as in the model itself, so
+    `save_pretrained` writes it once, as it does for an unsharded model (rank 0's dict; others are empty)."""
+    owners: dict[int, str] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        owner = owners.setdefault(id(parameter), name)
+        if owner != name and owner in weights and name in weights:
+            weights[name] = weights[owner]
+    return weights
+
+
 def save_checkpoint(
     model: Any,
     optimizer: torch.optim.Optimizer,
@@ -90,7 +101,9 @@ def save_checkpoint(
             if source.is_file() and not _is_weights(source.name):
                 shutil.copy2(source, staging / source.name)
     _barrier()  # no rank writes its state into a staging directory that rank 0 is still clearing
-    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    weights = _share_tied(
+        model, get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    )
     save_train_state(model, optimizer, step, staging / TRAIN_STATE)
     if is_main:
         model.save_pretrained(staging, state_dict=weights, safe_serialization=True)
