@@ -421,6 +421,16 @@ def test_a_ttl_deletes_a_finished_runs_children_but_keeps_the_run_and_its_volume
     assert run.status()["phase"] == "Succeeded"  # the RLRun stays
 
 
+def test_a_read_write_once_volume_puts_every_pod_on_one_node(run: Run) -> None:
+    """The real scheduler places the run's first pod anywhere and the others beside it (the fake nodes
+    would otherwise spread them: three nodes, four pods)."""
+    run.create({**SPEC, "offload": {**SPEC["offload"], "accessMode": "ReadWriteOnce"}})
+    run.wait_running()
+    pods = [p for component in ("engine", "orchestrator", "trainer") for p in run.running(component)]
+    assert len(pods) == 4
+    assert len({p["spec"]["nodeName"] for p in pods}) == 1, [p["spec"]["nodeName"] for p in pods]
+
+
 def test_a_run_carries_no_finalizer_and_deletes_at_once(run: Run) -> None:
     """`kubectl delete rlrun` must never wait for an operator (uninstalled, or stopped)."""
     run.create(SPEC)
