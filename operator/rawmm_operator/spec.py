@@ -443,7 +443,9 @@ def run_config(run_name: str, namespace: str, spec: RLRunSpec) -> RunConfig:
         orchestrator=OrchestratorConfig(**_fields_of(OrchestratorConfig, spec.orchestrator)),
         trainer=TrainerConfig(**_fields_of(TrainerConfig, spec.trainer)),
         monitoring=MonitoringConfig(**_fields_of(MonitoringConfig, spec.monitoring)),
-        offload=OffloadConfig(retention=RetentionConfig(**_fields_of(RetentionConfig, spec.offload.retention))),
+        offload=OffloadConfig(
+            retention=RetentionConfig(**_fields_of(RetentionConfig, spec.offload.retention))
+        ),
     )
 
 

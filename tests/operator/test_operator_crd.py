@@ -78,7 +78,9 @@ NOT_RE2 = re.compile(r"\(\?[=!<>]|\(\?<[=!]|\\[1-9]|[*+?}]\+|\(\?>")
 
 def test_every_pattern_is_re2() -> None:
     """kube-apiserver compiles every schema pattern with RE2 and refuses the whole CRD otherwise."""
-    patterns = [(path, node["pattern"]) for path, node in schema_nodes(open_api_schema()) if "pattern" in node]
+    patterns = [
+        (path, node["pattern"]) for path, node in schema_nodes(open_api_schema()) if "pattern" in node
+    ]
     assert len(patterns) >= 5
     for path, pattern in patterns:
         assert not NOT_RE2.search(pattern), f"{path}: {pattern} is not RE2"
