@@ -440,13 +440,15 @@ class Provisioner:
 
     def _run(self) -> None:
         while not self.stopping.is_set():
-            with contextlib.suppress(Exception):  # a dropped watch or a race with a deleted claim: rewatch
+            try:
                 for event in k8s_watch.Watch().stream(
                     self.core.list_persistent_volume_claim_for_all_namespaces, timeout_seconds=5
                 ):
                     claim = event["object"]
                     if event["type"] != "DELETED" and self._wants_volume(claim):
                         self._provision(claim)
+            except Exception:  # a dropped watch or a race with a deleted claim: rewatch, without spinning
+                self.stopping.wait(0.5)
 
     @staticmethod
     def _wants_volume(claim: k8s.V1PersistentVolumeClaim) -> bool:
