@@ -67,6 +67,20 @@ WEIGHTS_REFUSED = Counter(
     registry=None,
 )
 
+# vLLM engines only: what crosses from the API server to the engine core.
+ENGINE_CORE_ITEMS = Counter(
+    "rawmm_engine_core_items",
+    "Image items handed to vLLM's engine core: sent='data' crossed with their tensors, sent='hash' as a "
+    "hash only (the engine core already held them)",
+    ["sent"],
+    registry=None,
+)
+ENGINE_CORE_ITEM_BYTES = Counter(
+    "rawmm_engine_core_item_bytes",
+    "Tensor bytes of the image items that crossed to vLLM's engine core",
+    registry=None,
+)
+
 _ENGINE_METRICS = (
     CACHE_HITS,
     CACHE_MISSES,
@@ -81,6 +95,18 @@ _ENGINE_METRICS = (
     WEIGHTS_REFUSED,
 )
 _engine_registered = False
+_VLLM_METRICS = (ENGINE_CORE_ITEMS, ENGINE_CORE_ITEM_BYTES)
+_vllm_registered = False
+
+
+def register_vllm_metrics() -> None:
+    """Export the engine metrics and the vLLM engine's own (idempotent)."""
+    global _vllm_registered
+    register_engine_metrics()
+    if not _vllm_registered:
+        for metric in _VLLM_METRICS:
+            REGISTRY.register(metric)
+        _vllm_registered = True
 
 
 def register_engine_metrics() -> None:

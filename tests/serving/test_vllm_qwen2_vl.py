@@ -85,6 +85,20 @@ def rendered(server: VllmServer) -> tuple[list[int], dict]:
     return out.token_ids, out.features()
 
 
+def render_features(conversation: Conversation) -> dict:
+    from rawmm.contract import get_family, render_chat
+
+    server = conversation.server
+    return render_chat(
+        conversation.messages,
+        tokenizer=server.tokenizer,
+        family=get_family("qwen_vl"),
+        config=server.config,
+        store=server.store,
+        backend=BACKEND,
+    ).features()
+
+
 def error_of(response: httpx.Response) -> tuple[int, str, str]:
     error = response.json()["error"]
     return response.status_code, error["type"], error["reason"]
@@ -168,7 +182,35 @@ def test_weight_update_equals_a_fresh_server_and_reuses_images(server: VllmServe
 
     response = server.load_weights(checkpoints / "seed0")
     assert response.json() == {"weights_version": version + 2}
+    assert (
+        f"loaded weights from {checkpoints / 'seed0'}: weights_version {version + 2}"
+        in server.log.read_text()
+    )
     assert_same(both_ways(conversation), fresh_seed0)  # back on seed 0: exactly the fresh server's output
+
+
+def item_bytes(features: dict, index: int, config: object) -> int:
+    """Tensor bytes of image ``index``'s engine item: uint8 patches (C x T x P x P each) plus its int64 grid."""
+    (grid,) = parse_ref(features["kwargs_data"]["image"][index]).payload["image_grid_thw"]
+    patch = config.patch_size  # type: ignore[attr-defined]
+    return grid[0] * grid[1] * grid[2] * 3 * config.temporal_patch_size * patch * patch + 3 * 8  # type: ignore[attr-defined]
+
+
+def test_no_cached_item_crosses_to_the_engine_core_twice(server: VllmServer, checkpoints: Path) -> None:
+    sent = "rawmm_engine_core_item_bytes_total"
+    conversation = Conversation(server)
+    for turn in range(3):
+        conversation.user(picture(60 + turn, 64 + 32 * turn, 48), f"turn {turn}")
+        before = server.metric(sent)
+        conversation.assistant(both_ways(conversation, max_tokens=4)[0])
+        features = render_features(conversation)
+        assert server.metric(sent) - before == item_bytes(features, turn, server.config)  # the new image only
+    last = raw_tokens(conversation.raw(4))
+    # A weight update clears both sides of vLLM's multimodal cache together: everything crosses once more.
+    assert server.load_weights(checkpoints / "seed0").status_code == 200
+    before = server.metric(sent)
+    assert_same(raw_tokens(conversation.raw(4)), last)
+    assert server.metric(sent) - before == sum(item_bytes(features, i, server.config) for i in range(3))
 
 
 def test_weight_updates_that_cannot_fit_are_refused_and_keep_the_version(

@@ -4,7 +4,10 @@ Each request's materialized items become ``MultiModalKwargsItem``s under the eng
 (``image``; Kimi: ``vision_chunk``), with one field element per tensor shaped the way vLLM's own
 processors shape them (pixels flat, one row per patch; grids batched and kept on CPU). They enter the
 engine through ``mm_input`` with the refs' content hashes and the placeholder ranges, so vLLM skips its
-own processing; its encoder cache keys on the same content hashes.
+own processing; its encoder cache keys on the same content hashes. Before each request the items pass
+through vLLM's own key-replicated sender cache (the API server's mirror of the engine core's receiver
+cache), exactly as vLLM's processor path does: an item the engine core already holds crosses as its hash
+alone, so a multi-turn request ships only its new images to the engine core.
 
 Pixels are ``uint8`` (``LoadedProcessor.pixels``) whenever vLLM runs the model with
 ``mm_device_do_normalize``: its vision tower rescales and normalizes on the device, exactly as for its
@@ -18,6 +21,7 @@ pause covers vLLM's own completion routes too, so no request runs on half-loaded
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -38,6 +42,7 @@ from vllm.multimodal.inputs import (
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from rawmm import metrics
 from rawmm.materialize import EngineItem, FieldKind, LoadedProcessor, get_adapter
 from rawmm.serving.engine import Engine, EngineUnavailable, Generation, ImageInput, InvalidRequest
 from rawmm.serving.schemas import Sampling
@@ -100,6 +105,32 @@ def build_engine_input(token_ids: list[int], images: Sequence[ImageInput], proce
         mm_hashes=hashes,
         mm_placeholders=placeholders,
     )
+
+
+def through_sender_cache(engine_input: Any, cache: Any | None) -> int:
+    """Let vLLM's sender cache (P0) clear, in place, the data of items its receiver cache (P1) holds.
+
+    The order is the one vLLM's processor uses and the engine core replays: every hash touched first (so
+    none of this request's items is evicted by another), then each item updated in prompt order. Without
+    a cache (``--mm-processor-cache-gb 0``) every item crosses. Returns the tensor bytes that cross.
+    """
+    if engine_input["type"] != "multimodal":
+        return 0
+    if cache is not None:
+        for hashes in engine_input["mm_hashes"].values():
+            for mm_hash in hashes:
+                cache.touch_sender_cache_item(mm_hash)
+    sent = 0
+    kept: dict[str, list[Any]] = {}
+    for modality, items in engine_input["mm_kwargs"].items():
+        kept[modality] = []
+        for item, mm_hash in zip(items, engine_input["mm_hashes"][modality], strict=True):
+            data = item if cache is None else cache.get_and_update_item((item, []), mm_hash)[0]
+            kept[modality].append(data)
+            if data is not None:
+                sent += sum(elem.data.nbytes for elem in item.values())
+    engine_input["mm_kwargs"] = MultiModalKwargsItems(kept)
+    return sent
 
 
 def to_sampling_params(sampling: Sampling) -> SamplingParams:
@@ -182,19 +213,18 @@ class VllmEngine(Engine):
                 f"exceed the model's {self.max_model_len}-token context",
                 reason="prompt_too_long",
             )
-        final = None
         async with self.gate.generating() as version:
             if self._broken is not None:
                 raise EngineUnavailable(self._broken)
-            try:
-                async for output in self.client.generate(engine_input, params, f"rawmm-{uuid.uuid4().hex}"):
-                    final = output
-            except VLLMClientError as exc:
-                # vLLM's own validation (prompt past max_model_len after expansion, an image over the
-                # encoder budget, ...): the request's fault.
-                raise InvalidRequest(f"vLLM rejected the request: {exc}", reason="engine_rejected") from None
-            except EngineDeadError as exc:
-                raise EngineUnavailable(f"the vLLM engine core is dead: {exc}") from exc
+            final = await self._generate_once(engine_input, params)
+            if final is not None and final.outputs and final.outputs[0].finish_reason == "error":
+                # The engine core missed an item the sender cache took for held (the two caches drifted,
+                # e.g. concurrent requests reached it in another order): vLLM dropped those hashes from
+                # the sender cache, so the retry carries their data.
+                log.warning("engine-core multimodal cache miss; resending the request with its items")
+                final = await self._generate_once(
+                    build_engine_input(token_ids, images, self.processor), params
+                )
         if final is None or not final.outputs:
             raise RuntimeError("vLLM returned no output")
         completion = final.outputs[0]
@@ -203,6 +233,35 @@ class VllmEngine(Engine):
         generated = list(completion.token_ids)
         logprobs = [completion.logprobs[i][token].logprob for i, token in enumerate(generated)]
         return Generation(generated, logprobs, completion.finish_reason, version)
+
+    async def _generate_once(self, engine_input: Any, params: SamplingParams) -> Any:
+        """One engine request: its items through the sender cache, then vLLM's generate; the final output."""
+        sent = await self._dedupe(engine_input)
+        counted = [item for items in engine_input.get("mm_kwargs", {}).values() for item in items]
+        metrics.ENGINE_CORE_ITEMS.labels(sent="data").inc(sum(item is not None for item in counted))
+        metrics.ENGINE_CORE_ITEMS.labels(sent="hash").inc(sum(item is None for item in counted))
+        metrics.ENGINE_CORE_ITEM_BYTES.inc(sent)
+        final = None
+        try:
+            async for output in self.client.generate(engine_input, params, f"rawmm-{uuid.uuid4().hex}"):
+                final = output
+        except VLLMClientError as exc:
+            # vLLM's own validation (prompt past max_model_len after expansion, an image over the
+            # encoder budget, ...): the request's fault.
+            raise InvalidRequest(f"vLLM rejected the request: {exc}", reason="engine_rejected") from None
+        except EngineDeadError as exc:
+            raise EngineUnavailable(f"the vLLM engine core is dead: {exc}") from exc
+        return final
+
+    async def _dedupe(self, engine_input: Any) -> int:
+        renderer = getattr(self.client, "renderer", None)
+        cache = getattr(renderer, "mm_processor_cache", None)
+        if cache is None:
+            return through_sender_cache(engine_input, None)
+        # vLLM touches this cache only from the renderer's one multimodal worker thread (its P0/P1 order
+        # depends on it); so do we.
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(renderer._mm_executor, through_sender_cache, engine_input, cache)
 
     async def load_weights(self, path: str) -> int:
         """Reload in place from checkpoint directory ``path`` (same tensors, dtypes and shapes as served).

@@ -127,12 +127,17 @@ async def serve_vllm(
     try:
         async with build_async_engine_client(args) as client:
             supported_tasks = await client.get_supported_tasks()
+            root_level = logging.getLogger().level
             app = build_app(args, supported_tasks, client.model_config)
+            # Building vLLM's app imports model_hosting_container_standards, which sets the root logger to
+            # ERROR ($SAGEMAKER_CONTAINER_LOG_LEVEL); vLLM restores only its handlers' levels. Without this
+            # every rawmm log line below ERROR (weights loaded, cache summaries) would vanish.
+            logging.getLogger().setLevel(root_level)
             await init_app_state(client, app.state, args, supported_tasks)
             images = images_for(pixels_for(client))
             # AsyncLLM has get_tokenizer; vLLM's EngineClient protocol does not declare it.
             engine = VllmEngine(client, images.processor, client.get_tokenizer())  # type: ignore[attr-defined]
-            metrics.register_engine_metrics()
+            metrics.register_vllm_metrics()
             metrics.ENGINE_WEIGHTS_VERSION.set(engine.weights_version)
             mount_routes(app, engine, images, guard)
             log.info(
