@@ -16,6 +16,7 @@ EXAMPLE = Path(__file__).parents[1] / "examples" / "local-tiny-vllm.yaml"
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_the_vllm_example_runs_end_to_end_and_reloads_every_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -36,7 +36,8 @@ from vllm_harness import (
 
 from rawmm.contract import encode_ref, parse_ref
 
-pytestmark = pytest.mark.slow
+# A server's start (35-70 s idle, minutes on a loaded machine) counts toward its first test's timeout.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
