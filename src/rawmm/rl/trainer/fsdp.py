@@ -15,11 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def mixed_precision_policy(device: torch.device) -> MixedPrecisionPolicy:
@@ -37,7 +41,8 @@ def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     blocks = [m for m in model.modules() if type(m).__name__ in block_classes]
     if not blocks:
         raise TypeError(f"{type(model).__name__} names no decoder layers (_no_split_modules) to shard")
-    vision = model.get_encoder(modality="image") if hasattr(model, "get_encoder") else model
+    get_encoder = getattr(model, "get_encoder", None)  # transformers models have it; nn.Module does not
+    vision = get_encoder(modality="image") if get_encoder is not None else model
     towers = [vision] if vision is not model else []
     return [*blocks, *towers, model]
 
@@ -54,7 +59,7 @@ def shard_model(model: torch.nn.Module, device: torch.device) -> None:
             unit.set_force_sum_reduction_for_comms(True)
 
 
-def meta_model(path: Path, *, trust_remote_code: bool) -> torch.nn.Module:
+def meta_model(path: Path, *, trust_remote_code: bool) -> PreTrainedModel:
     """The checkpoint's model built on the meta device: every shape, no storage, no weights read."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 

@@ -101,7 +101,8 @@ class Trainer:
             load_from_rank0(self.model, full_state, dist.device)
             del full_state
         else:
-            self.model.to(dist.device)
+            # transformers' decorator on PreTrainedModel.to declares the model as its first argument
+            self.model.to(dist.device)  # type: ignore[arg-type]
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.parameters, lr=cfg.learning_rate, weight_decay=cfg.weight_decay
