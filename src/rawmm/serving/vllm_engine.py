@@ -256,7 +256,7 @@ class VllmEngine(Engine):
     async def _dedupe(self, engine_input: Any) -> int:
         renderer = getattr(self.client, "renderer", None)
         cache = getattr(renderer, "mm_processor_cache", None)
-        if cache is None:
+        if renderer is None or cache is None:
             return through_sender_cache(engine_input, None)
         # vLLM touches this cache only from the renderer's one multimodal worker thread (its P0/P1 order
         # depends on it); so do we.
