@@ -5,8 +5,8 @@ turn goes both ways, interleaved (the order alternates per turn), on the same `r
   raw     POST /v1/rawmm/generate: token ids + raw refs into the offload store (our materialize path)
   native  POST /v1/chat/completions: the same PNG bytes as base64 data URLs (vLLM's processor path)
 Greedy outputs must be identical. Reported per path: per-turn latency p50/p95, the API-server process's
-CPU seconds (user + sys, measured around each request; requests run one at a time), request bytes; and
-the raw/native ratios. The model is a tiny random-weight Qwen2-VL with the real Qwen2-VL pixel budget
+CPU seconds (user + sys, measured around each request; requests run one at a time), request bytes; the
+raw/native ratios; and the bytes of image items the raw path handed to the engine core. The model is a tiny random-weight Qwen2-VL with the real Qwen2-VL pixel budget
 (a 1280x720 screenshot is 1196 placeholder tokens), so the image work is real and the LM is cheap.
 
     .venv/bin/python bench/vllm_multiturn.py [--rollouts 8] [--turns 10] [--max-tokens 4]
@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 import psutil
 from PIL import Image, ImageDraw
+from prometheus_client.parser import text_string_to_metric_families
 
 from rawmm.contract import OffloadStore, get_family, render_chat
 
@@ -268,6 +269,13 @@ def main() -> None:
                         }
                     )
                 print(f"rollout {rollout + 1}/{args.rollouts} done ({time.monotonic() - started:.0f}s)")
+            metrics_text = http.get(f"{url}/metrics").text
+        engine_core_bytes = sum(
+            sample.value
+            for family in text_string_to_metric_families(metrics_text)
+            for sample in family.samples
+            if sample.name == "rawmm_engine_core_item_bytes_total"
+        )
         requests = args.rollouts * args.turns
         print(f"\n{requests} turns each way; outputs identical: {requests - mismatches}/{requests}")
         print(f"{'path':8} {'p50 s':>8} {'p95 s':>8} {'API CPU s':>10} {'MiB sent':>10}")
@@ -279,6 +287,10 @@ def main() -> None:
         print(
             f"ratios raw/native: p50 {raw.p(0.5) / native.p(0.5):.2f}x, p95 {raw.p(0.95) / native.p(0.95):.2f}x, "
             f"API-server CPU {raw.cpu_s / native.cpu_s:.2f}x, request bytes {raw.request_bytes / native.request_bytes:.4f}x"
+        )
+        print(
+            f"raw path: {engine_core_bytes / 2**20:.1f} MiB of image items crossed to the engine core "
+            f"({engine_core_bytes / 2**20 / requests:.2f} MiB per request)"
         )
         print("per-turn p50 latency (s), raw | native:")
         for turn in range(args.turns):
