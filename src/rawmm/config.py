@@ -266,6 +266,14 @@ class RunConfig(StrictModel):
         return text
 
 
+def _yaml_error_line(path: Path, exc: yaml.YAMLError) -> str:
+    """``file:line:column: problem`` (1-based, as editors count), one line."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{where}: not valid YAML: {problem}"
+
+
 def format_validation_error(exc: ValidationError, *, source: str, what: str = "run config") -> str:
     """One line per problem, each naming the field by its dotted path (`inference.replicas: ...`)."""
     lines = []
@@ -278,11 +286,3 @@ def format_validation_error(exc: ValidationError, *, source: str, what: str = "r
             message = "required field is missing"
         lines.append(f"{field}: {message}")
     return f"{source}: invalid {what}:\n  " + "\n  ".join(lines)
-def _yaml_error_line(path: Path, exc: yaml.YAMLError) -> str:
-    """``file:line:column: problem`` (1-based, as editors count), one line."""
-    mark = getattr(exc, "problem_mark", None)
-    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    return f"{where}: not valid YAML: {problem}"
-
-
