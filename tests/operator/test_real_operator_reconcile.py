@@ -43,6 +43,11 @@ CHILD_KINDS = "configmaps,services,statefulsets,jobs,podmonitors"
 class Operator:
     user: str  # the chart's ServiceAccount, as the API server names it
     process: OperatorProcess
+    # the audit log's size when this operator started: other modules' installs reuse the account's name
+    audit_offset: int
+
+    def audit_events(self, cluster: KubeCluster) -> list[dict[str, Any]]:
+        return cluster.audit_events(self.user, since=self.audit_offset)
 
     def reconciles(self) -> float:
         """Passes so far (every result): a clock of the operator's own work."""
@@ -67,8 +72,9 @@ def operator(kube_cluster: KubeCluster) -> Iterator[Operator]:
             if doc and doc["kind"] == "ServiceAccount"
         ]
         kubeconfig = kube_cluster.service_account_kubeconfig(RELEASE_NAMESPACE, account)
+        offset = kube_cluster.audit_log.stat().st_size
         with kube_cluster.operator(kubeconfig, args=("--resync-seconds=2",)) as process:
-            yield Operator(f"system:serviceaccount:{RELEASE_NAMESPACE}:{account}", process)
+            yield Operator(f"system:serviceaccount:{RELEASE_NAMESPACE}:{account}", process, offset)
 
 
 @dataclass
@@ -449,7 +455,7 @@ def test_child_watches_are_filtered_by_the_run_label_on_the_server(
     plurals["persistentvolumeclaims"] = "/api/v1/persistentvolumeclaims"
     requests = [
         e["requestURI"]
-        for e in kube_cluster.audit_events(operator.user)
+        for e in operator.audit_events(kube_cluster)
         if e["verb"] in ("list", "watch") and (e.get("objectRef") or {}).get("resource") in plurals
     ]
     for plural, path in plurals.items():
@@ -465,7 +471,7 @@ def test_the_deletions_were_made_as_the_charts_account_and_never_refused(
 ) -> None:
     """The delete grants test_real_lifecycle.py cannot observe in its scenario are used here (prune, Job
     replacement, expiry), and no request of the operator was refused."""
-    events = kube_cluster.audit_events(operator.user)
+    events = operator.audit_events(kube_cluster)
     # RBAC's verdict (a 403 for an event posted into a namespace being deleted is no missing grant)
     denied = sorted(
         {
