@@ -21,7 +21,6 @@ import asyncio
 import io
 import json
 import os
-import random
 import resource
 import statistics
 import tempfile
@@ -32,34 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, ImageDraw
+from PIL import Image
 from prometheus_client import REGISTRY
+from screens import screenshot_png
 
 from rawmm.contract import FeatureImage, OffloadStore, describe_stored_image, encode_ref, parse_ref
 from rawmm.materialize import LoadedProcessor, MaterializeCache, load_processor, materialize_engine_item
 from rawmm.serving.images import RequestImages
-
-
-def screenshot(seed: int, width: int = 1280, height: int = 720) -> bytes:
-    """A UI-like PNG: flat panels, rows of text and a noisy thumbnail."""
-    rng = random.Random(seed)
-    image = Image.new("RGB", (width, height), tuple(rng.randrange(256) for _ in range(3)))
-    draw = ImageDraw.Draw(image)
-    for _ in range(30):
-        x, y = rng.randrange(width), rng.randrange(height)
-        draw.rectangle(
-            (x, y, x + rng.randrange(10, width // 3), y + rng.randrange(8, height // 4)),
-            fill=rng.randrange(1 << 24),
-        )
-    for row in range(0, height, 16):
-        draw.text(
-            (rng.randrange(30), row), " ".join(f"{rng.random():.5f}" for _ in range(width // 80)), fill=0
-        )
-    thumb = Image.frombytes("RGB", (width // 6, height // 6), rng.randbytes((width // 6) * (height // 6) * 3))
-    image.paste(thumb, (rng.randrange(width - width // 6), rng.randrange(height - height // 6)))
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def processor_dir(root: Path, preset: str) -> Path:
@@ -115,7 +93,7 @@ def engine_item_work(image: FeatureImage, loaded: LoadedProcessor, store: Offloa
 
 
 def bench_per_image(store: OffloadStore, loaded: LoadedProcessor, rounds: int) -> None:
-    image = feature(store, loaded, screenshot(1))
+    image = feature(store, loaded, screenshot_png(1))
     path = store.resolve(image.ref.raw_image_uri)
 
     kept: list[Any] = []
@@ -166,9 +144,9 @@ def materialized() -> float:
 
 def bench_multi_turn(store: OffloadStore, loaded: LoadedProcessor, size: tuple[int, int]) -> None:
     rollouts, turns = 8, 20
-    shared = feature(store, loaded, screenshot(1000, *size))
+    shared = feature(store, loaded, screenshot_png(1000, *size))
     own = [
-        [feature(store, loaded, screenshot(2000 + r * 100 + t, *size)) for t in range(1, turns)]
+        [feature(store, loaded, screenshot_png(2000 + r * 100 + t, *size)) for t in range(1, turns)]
         for r in range(rollouts)
     ]
     unique = 1 + rollouts * (turns - 1)
@@ -213,7 +191,7 @@ def bench_multi_turn(store: OffloadStore, loaded: LoadedProcessor, size: tuple[i
 
 
 def bench_one_request(store: OffloadStore, loaded: LoadedProcessor, rounds: int) -> None:
-    images = [feature(store, loaded, screenshot(3000 + i, 640, 360)) for i in range(8)]
+    images = [feature(store, loaded, screenshot_png(3000 + i, 640, 360)) for i in range(8)]
     request_images = RequestImages(loaded, roots=[store.root], cache=MaterializeCache(0), max_pixels=10**8)
 
     async def sequential() -> None:
@@ -246,7 +224,7 @@ def rss_bytes() -> int:
 
 def bench_capacity(store: OffloadStore, presets: dict[str, LoadedProcessor], budget: int) -> None:
     print("4. capacity for a 1280x720 screenshot")
-    shot = screenshot(4000)
+    shot = screenshot_png(4000)
     for name, loaded in presets.items():
         image = feature(store, loaded, shot)
         item = engine_item_work(image, loaded, store)()
@@ -255,7 +233,9 @@ def bench_capacity(store: OffloadStore, presets: dict[str, LoadedProcessor], bud
         )
     loaded = presets["qwen2_vl"]
     cache: MaterializeCache[Any] = MaterializeCache(budget)
-    fill = [feature(store, loaded, screenshot(5000 + i, 640, 360)) for i in range(3 * budget // (5 * 2**20))]
+    fill = [
+        feature(store, loaded, screenshot_png(5000 + i, 640, 360)) for i in range(3 * budget // (5 * 2**20))
+    ]
     start_rss = rss_bytes()
     start_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

@@ -18,7 +18,6 @@ import argparse
 import base64
 import json
 import os
-import random
 import signal
 import socket
 import statistics
@@ -34,33 +33,13 @@ from typing import Any
 
 import httpx
 import psutil
-from PIL import Image, ImageDraw
 from prometheus_client.parser import text_string_to_metric_families
+from screens import screenshot_image
 
 from rawmm.contract import OffloadStore, get_family, render_chat
 
 BACKEND = "torchvision"  # vLLM's own Qwen-VL processor backend, so both paths see the same pixels
 WEIGHTS_TOKEN = "bench"
-
-
-def screenshot(seed: int, width: int = 1280, height: int = 720) -> Image.Image:
-    """A UI-like picture: flat panels, rows of text and a noisy thumbnail."""
-    rng = random.Random(seed)
-    image = Image.new("RGB", (width, height), tuple(rng.randrange(256) for _ in range(3)))
-    draw = ImageDraw.Draw(image)
-    for _ in range(30):
-        x, y = rng.randrange(width), rng.randrange(height)
-        draw.rectangle(
-            (x, y, x + rng.randrange(10, width // 3), y + rng.randrange(8, height // 4)),
-            fill=rng.randrange(1 << 24),
-        )
-    for row in range(0, height, 16):
-        draw.text(
-            (rng.randrange(30), row), " ".join(f"{rng.random():.5f}" for _ in range(width // 80)), fill=0
-        )
-    thumb = Image.frombytes("RGB", (width // 6, height // 6), rng.randbytes((width // 6) * (height // 6) * 3))
-    image.paste(thumb, (rng.randrange(width - width // 6), rng.randrange(height - height // 6)))
-    return image
 
 
 def free_port() -> int:
@@ -193,7 +172,7 @@ def main() -> None:
                 messages: list[dict[str, Any]] = []
                 paths: dict[str, Path] = {}
                 for turn in range(args.turns):
-                    stored = store.put(screenshot(1000 * rollout + turn))
+                    stored = store.put(screenshot_image(1000 * rollout + turn))
                     paths[stored.uri] = stored.path
                     messages.append(
                         {
