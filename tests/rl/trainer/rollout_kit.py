@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -116,3 +120,20 @@ class RolloutFactory:
             )
         samples.append(self.sample([], " hello there", 0.5, "text-only"))
         return samples
+
+
+def torchrun_train(config_file: Path, steps: int) -> list[dict]:
+    """`rawmm train` on 2 gloo ranks under torchrun; the JSON lines it prints (one per step)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + ["-m", "rawmm.cli", "train", str(config_file), "--steps", str(steps), "--batch-timeout", "30"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    # Every rank's error lines first: the tail alone may show only the rank that lost its peer.
+    errors = [line for line in done.stderr.splitlines() if "Error" in line or "error" in line]
+    assert done.returncode == 0, "\n".join(errors[-30:]) + "\n...\n" + done.stderr[-2000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"')]

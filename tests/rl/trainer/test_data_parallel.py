@@ -3,35 +3,16 @@ across a stop: the second launch resumes with the first one's AdamW state."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import yaml
+from rollout_kit import torchrun_train
 from safetensors.torch import load_file
 
 from rawmm.rl.packing import pack_samples
 from rawmm.rl.trainer.checkpoint import checkpoint_dir
 from rawmm.rl.trainer.distributed import init_distributed
 from rawmm.rl.trainer.loop import Trainer
-
-
-def torchrun(config_file, steps: int) -> dict:  # noqa: ANN001
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        + ["-m", "rawmm.cli", "train", str(config_file), "--steps", str(steps), "--batch-timeout", "30"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    [line] = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"')]
-    return line
 
 
 @pytest.mark.slow
@@ -50,7 +31,10 @@ def test_two_ranks_make_the_same_updates_as_one_also_after_a_resume(rollouts, ma
 
     config_file = tmp_path / "run.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    parallel = [torchrun(config_file, 1), torchrun(config_file, 2)]  # the second launch resumes
+    parallel = []
+    for steps in (1, 2):  # the second launch resumes
+        [line] = torchrun_train(config_file, steps)
+        parallel.append(line)
 
     base = load_file(rollouts.config.model.path + "/model.safetensors")
     lr = config.trainer.learning_rate

@@ -13,18 +13,14 @@ image under `zero_loss`.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import shutil
-import subprocess
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from rollout_kit import RolloutFactory, random_image, run_config
+from rollout_kit import RolloutFactory, random_image, run_config, torchrun_train
 from safetensors.torch import load_file
 
 from rawmm.config import RunConfig
@@ -54,22 +50,6 @@ def step1_batch(rollouts: RolloutFactory) -> list:
     )
     samples += [rollouts.sample([], " hello there", 0.25 * i, f"text-{i}") for i in range(4)]
     return samples
-
-
-def torchrun(config_file: Path, steps: int) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        + ["-m", "rawmm.cli", "train", str(config_file), "--steps", str(steps), "--batch-timeout", "30"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    # Every rank's error lines first: the tail alone may show only the rank that lost its peer.
-    errors = [line for line in done.stderr.splitlines() if "Error" in line or "error" in line]
-    assert done.returncode == 0, "\n".join(errors[-30:]) + "\n...\n" + done.stderr[-2000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"')]
 
 
 @pytest.fixture(scope="module")
@@ -106,17 +86,17 @@ def runs(tiny_qwen2_vl: Path, tmp_path_factory: pytest.TempPathFactory) -> Runs:
 
     config_file = root / "run.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    lines["no_stop"] = torchrun(config_file, 2)
+    lines["no_stop"] = torchrun_train(config_file, 2)
     keep("no_stop")
-    lines["resumed"] = torchrun(config_file, 1)
+    lines["resumed"] = torchrun_train(config_file, 1)
     assert latest_step(config.checkpoints_dir) == 1
-    lines["resumed"] += torchrun(config_file, 2)
+    lines["resumed"] += torchrun_train(config_file, 2)
     keep("resumed")
     recomputing = config.model_copy(
         update={"trainer": config.trainer.model_copy(update={"activation_checkpointing": True})}
     )
     config_file.write_text(yaml.safe_dump(recomputing.model_dump(mode="json")))
-    lines["checkpointed"] = torchrun(config_file, 1)
+    lines["checkpointed"] = torchrun_train(config_file, 1)
     keep("checkpointed")
     return Runs(config, lines, checkpoints)
 
