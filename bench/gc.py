@@ -29,8 +29,8 @@ from unittest import mock
 from PIL import Image
 
 from rawmm.contract import OffloadStore
+from rawmm.contract.files import write_atomically  # the write path itself, without a PNG encode per call
 from rawmm.contract.gc import GCReport, collect
-from rawmm.contract.store import _write_atomic  # the write path itself, without a PNG encode per call
 
 HOUR = 3600.0
 
@@ -121,7 +121,7 @@ def writer_costs(base: Path) -> None:
     def new_write() -> None:
         sha = hashlib.sha256(next(counter).to_bytes(8, "little")).hexdigest()
         directory = f"{store.root}/{sha[:2]}"
-        _write_atomic(directory, f"{directory}/{sha}.img", payload)
+        write_atomically(f"{directory}/{sha}.img", payload)
 
     with_fsync = per_call_us(new_write, 100)
     with mock.patch("os.fsync"):

@@ -141,3 +141,24 @@ def test_a_decompression_bomb_is_refused_from_its_header(offload_store: OffloadS
             descriptor(small.uri), mm_hash=small.mm_hash, roots=[offload_store.root], max_pixels=10**6
         )
     assert reason_of(excinfo) == "image_too_large"
+
+
+def test_every_reader_refuses_files_over_the_one_size_limit(
+    offload_store: OffloadStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's checked read and the materializers' read are one: the same limit, the same reason."""
+    from rawmm.contract import store
+
+    stored = offload_store.put(Image.new("RGB", (4, 4), "red"))
+    size = stored.path.stat().st_size
+    monkeypatch.setattr(store, "MAX_IMAGE_FILE_BYTES", size)
+    assert offload_store.read_verified(stored.uri, stored.mm_hash) == stored.path.read_bytes()
+    read_ref_image(descriptor(stored.uri), mm_hash=stored.mm_hash, roots=[offload_store.root])
+    monkeypatch.setattr(store, "MAX_IMAGE_FILE_BYTES", size - 1)
+    for read in (
+        lambda: offload_store.read_verified(stored.uri, stored.mm_hash),
+        lambda: read_ref_image(descriptor(stored.uri), mm_hash=stored.mm_hash, roots=[offload_store.root]),
+    ):
+        with pytest.raises(InvalidImageRef) as excinfo:
+            read()
+        assert reason_of(excinfo) == "image_too_large"

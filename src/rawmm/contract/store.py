@@ -1,9 +1,8 @@
 """The content-addressed offload store (docs/architecture.md §3.1).
 
 ``<root>/<sha[0:2]>/<sha>.<ext>``: the bytes' sha256 names the file, so equal bytes always land on one
-path and one URI. Writes go to a temporary file in the target directory and are published with
-``os.replace``, so a reader never sees a partial file and concurrent writers of the same bytes simply
-replace an identical file. Re-offloading existing bytes touches the file: its mtime is its last use,
+path and one URI. Writes are atomic (``rawmm.contract.files``), so a reader never sees a partial file and
+concurrent writers of the same bytes simply replace an identical file. Re-offloading existing bytes touches the file: its mtime is its last use,
 which is what garbage collection goes by (``rawmm.contract.gc`` describes the protocol that keeps a reuse
 racing a collection from losing its file).
 """
@@ -18,18 +17,18 @@ import hashlib
 import io
 import os
 import re
-import secrets
 import stat
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
 from PIL import Image, UnidentifiedImageError
 
 from rawmm.contract.errors import ImageIngestError, InvalidImageRef
+from rawmm.contract.files import temp_target, write_atomically
 from rawmm.contract.refs import check_mm_hash
 from rawmm.retention_bounds import REUSE_UNLOCKED_AGE_S
 
@@ -37,8 +36,8 @@ MM_HASH_CHARS = 32
 _FILE_SCHEME = "file://"
 _EXT_BY_FORMAT = {"PNG": "png", "JPEG": "jpg", "WEBP": "webp", "GIF": "gif"}
 _STORED_NAME_RE = re.compile(r"([0-9a-f]{64})\.(png|jpg|webp|gif|img)")
-# `_write_atomic`'s temporary files: `.<sha>.<ext>.<16 hex>.tmp` next to their final name.
-_TEMP_NAME_RE = re.compile(r"\.([0-9a-f]{64})\.(png|jpg|webp|gif|img)\.[0-9a-f]{16}\.tmp")
+# Encoded images this large are not screenshots; a reader refuses them before reading them into memory.
+MAX_IMAGE_FILE_BYTES = 256 * 1024 * 1024
 GC_LOCK_NAME = ".gc.lock"
 # Linux limits: longer paths or components fail with ENAMETOOLONG, which must not reach a caller as OSError.
 _PATH_MAX = 4096
@@ -158,8 +157,37 @@ def stored_sha(name: str) -> str | None:
 
 
 def is_temp_name(name: str) -> bool:
-    """Whether ``name`` is one of the store's temporary files (a write in progress, or a dead writer's)."""
-    return _TEMP_NAME_RE.fullmatch(name) is not None
+    """Whether ``name`` is a temporary file of a stored image (a write in progress, or a dead writer's)."""
+    target = temp_target(name)
+    return target is not None and stored_sha(target) is not None
+
+
+def read_verified(uri: Any, mm_hash: str, roots: Sequence[Path]) -> bytes:
+    """The bytes of the file a ``file://`` URI names, read only inside ``roots`` (resolved directories)
+    and checked against ``mm_hash`` (a sha256 hex prefix) before anyone parses them.
+
+    Raises ``InvalidImageRef``: ``malformed_ref`` (not a hash, not a URI), ``outside_offload_root``,
+    ``missing_file``, ``unreadable_file``, ``image_too_large`` (over ``MAX_IMAGE_FILE_BYTES``),
+    ``hash_mismatch``.
+    """
+    check_mm_hash(mm_hash)
+    path = resolve_uri(uri, roots)
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            # Bounded by the size and by the read: the file may grow in between.
+            data = handle.read(MAX_IMAGE_FILE_BYTES + 1) if size <= MAX_IMAGE_FILE_BYTES else b""
+    except FileNotFoundError:
+        raise InvalidImageRef("missing_file", f"{path} vanished before it was read") from None
+    except OSError as exc:
+        raise InvalidImageRef("unreadable_file", f"cannot read {path}: {exc.strerror or exc}") from None
+    if max(size, len(data)) > MAX_IMAGE_FILE_BYTES:
+        raise InvalidImageRef(
+            "image_too_large", f"{path} is {max(size, len(data))} bytes or more, over {MAX_IMAGE_FILE_BYTES}"
+        )
+    if not hashlib.sha256(data).hexdigest().startswith(mm_hash):
+        raise InvalidImageRef("hash_mismatch", f"bytes at {uri} do not hash to {mm_hash}")
+    return data
 
 
 @contextlib.contextmanager
@@ -252,18 +280,8 @@ class OffloadStore:
         return resolve_uri(uri, (self.root,))
 
     def read_verified(self, uri: str, mm_hash: str) -> bytes:
-        """The bytes at ``uri``, checked against ``mm_hash`` (a sha256 hex prefix)."""
-        check_mm_hash(mm_hash)
-        path = self.resolve(uri)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise InvalidImageRef("missing_file", f"{path} vanished before it was read") from None
-        except OSError as exc:
-            raise InvalidImageRef("unreadable_file", f"cannot read {path}: {exc}") from None
-        if not hashlib.sha256(data).hexdigest().startswith(mm_hash):
-            raise InvalidImageRef("hash_mismatch", f"bytes at {uri} do not hash to {mm_hash}")
-        return data
+        """The bytes at ``uri`` inside this store, checked against ``mm_hash`` (see ``read_verified``)."""
+        return read_verified(uri, mm_hash, (self.root,))
 
     def _put_file(self, path: Path) -> StoredImage:
         try:
@@ -299,37 +317,7 @@ class OffloadStore:
         directory = f"{self._root_str}/{sha[:2]}"
         path = f"{directory}/{sha}.{ext}"
         if not _reuse(directory, path):
-            _write_atomic(directory, path, data)
+            write_atomically(path, data)
         return StoredImage(
             uri=_FILE_SCHEME + quote(path), sha256=sha, path=Path(path), width=width, height=height
         )
-
-
-def _open_new(tmp: str, directory: str) -> BinaryIO:
-    try:
-        return open(tmp, "xb")  # noqa: SIM115 - the caller closes it
-    except FileNotFoundError:  # first image of this fan-out directory
-        os.makedirs(directory, exist_ok=True)
-        return open(tmp, "xb")  # noqa: SIM115
-
-
-def _write_atomic(directory: str, path: str, data: bytes) -> None:
-    """Publish ``data`` at ``path`` whole or not at all.
-
-    The data is fsynced before the rename. Without that, a crash (of this host, or of an NFS server before
-    its COMMIT) can leave the final name on an empty or partial file, and a content-addressed name is never
-    rewritten once it exists (reuse only touches it), so one crash would poison those bytes for the rest of
-    the run. The directory is not fsynced: a rename lost in a crash loses only the name, which the next put
-    of the same bytes recreates. A temporary file left by a killed writer is removed by ``rawmm gc``.
-    """
-    tmp = f"{directory}/.{path[len(directory) + 1 :]}.{secrets.token_hex(8)}.tmp"
-    try:
-        with _open_new(tmp, directory) as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise

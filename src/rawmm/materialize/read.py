@@ -1,13 +1,13 @@
 """The confined, hash-verified, bomb-checked read of an offloaded image (engine and trainer alike).
 
 Order matters: resolve the URI inside the offload root(s) before touching the file, verify the bytes'
-sha256 against the ref's hash before parsing them, and check the image's size from its header before
-decoding pixels, so a hostile ref can neither read outside the volume nor make us decode a bomb.
+sha256 against the ref's hash before parsing them (both done by the store's ``read_verified``), and
+check the image's size from its header before decoding pixels, so a hostile ref can neither read
+outside the volume nor make us decode a bomb.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import warnings
 from collections.abc import Sequence
@@ -17,23 +17,10 @@ from PIL import Image, UnidentifiedImageError
 
 from rawmm.contract import InvalidImageRef, RawImageDescriptor, RawImageRef, resolve_uri
 from rawmm.contract.refs import check_mm_hash
+from rawmm.contract.store import read_verified
 
 # A 4K screenshot is ~8.3M pixels; anything past this is a bomb, not a picture worth decoding.
 DEFAULT_MAX_IMAGE_PIXELS = 64 * 1024 * 1024
-# Encoded images this large are not screenshots either; refuse before reading them into memory.
-MAX_IMAGE_FILE_BYTES = 256 * 1024 * 1024
-
-
-def _read_file(path: Path) -> bytes:
-    try:
-        size = path.stat().st_size
-        if size > MAX_IMAGE_FILE_BYTES:
-            raise InvalidImageRef("image_too_large", f"{path} is {size} bytes, over {MAX_IMAGE_FILE_BYTES}")
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise InvalidImageRef("missing_file", f"{path} vanished before it was read") from None
-    except OSError as exc:
-        raise InvalidImageRef("unreadable_file", f"cannot read {path}: {exc.strerror or exc}") from None
 
 
 def decode_image(data: bytes, *, max_pixels: int, source: str) -> Image.Image:
@@ -98,8 +85,5 @@ def read_ref_image(
             "hash_mismatch", f"outer mm_hash {mm_hash} differs from the ref's {ref_or_descriptor.mm_hash}"
         )
     uri = ref_or_descriptor.raw_image_uri
-    path = resolve_uri(uri, [Path(root).resolve() for root in roots])
-    data = _read_file(path)
-    if not hashlib.sha256(data).hexdigest().startswith(mm_hash):
-        raise InvalidImageRef("hash_mismatch", f"bytes at {uri} do not hash to {mm_hash}")
+    data = read_verified(uri, mm_hash, [Path(root).resolve() for root in roots])
     return decode_image(data, max_pixels=max_pixels, source=uri)
