@@ -10,6 +10,12 @@ in a worker thread. A miss starts one task that the cache holds strongly until i
 await it through ``asyncio.shield`` so a cancelled (disconnected) requester never cancels the work that
 other requesters share. Failures are never cached: the task's exception reaches every requester that
 joined it, and the next request starts afresh.
+
+Memory (docs/architecture.md §4): a request holds its items through a ``Lease``; a leased item is pinned
+(never evicted) and always stored, so every item a request holds is in ``bytes``. A miss reserves its
+expected size and starts only while the pinned bytes plus the reservations fit the budget, so the bytes
+held overshoot the budget by at most the oldest lease's items (it never waits, so something always
+progresses) and one miss of unknown size at a time.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ import asyncio
 import hashlib
 import json
 import logging
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import Counter, OrderedDict, deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -62,8 +69,9 @@ class MaterializeCache(Generic[T]):
     """Byte-bounded LRU of finished, immutable items with single-flight misses.
 
     ``max_bytes == 0`` turns the cache off: every call runs the work in a worker thread, with no lookup,
-    no single-flight and no statistics. Bytes held never exceed ``max_bytes``; an item larger than the
-    whole budget is returned to its requesters but not kept. Use from the event loop only.
+    no single-flight and no statistics. Unleased, bytes held never exceed ``max_bytes`` and an item larger
+    than the whole budget is returned to its requesters but not kept; leased items are kept regardless
+    (see ``lease``). Use from the event loop only.
     """
 
     def __init__(
@@ -78,6 +86,11 @@ class MaterializeCache(Generic[T]):
         self._items: OrderedDict[str, tuple[T, int]] = OrderedDict()
         self._inflight: dict[str, asyncio.Task[T]] = {}
         self._bytes = 0
+        self._pins: Counter[str] = Counter()  # key -> leases holding it
+        self._leases: deque[Lease[T]] = deque()  # oldest first
+        self._reserved = 0  # expected bytes of leased misses not yet stored
+        self._unsized = 0  # leased misses of unknown size not yet stored
+        self._room: asyncio.Condition | None = None
         if self.enabled:
             metrics.CACHE_CAPACITY_BYTES.set(max_bytes)
             self._publish_sizes()
@@ -95,6 +108,10 @@ class MaterializeCache(Generic[T]):
 
     def __contains__(self, key: str) -> bool:
         return key in self._items
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(size for key, (_, size) in self._items.items() if self._pins[key])
 
     def lru_keys(self) -> list[str]:
         """Cached keys, least recently used first."""
@@ -133,23 +150,86 @@ class MaterializeCache(Generic[T]):
         finally:
             del self._inflight[key]
 
+    @asynccontextmanager
+    async def lease(self) -> AsyncIterator[Lease[T]]:
+        """Items got through the lease stay pinned (held and accounted) until the block exits."""
+        lease = Lease(self)
+        self._leases.append(lease)
+        try:
+            yield lease
+        finally:
+            for key in lease.keys:
+                self._pins[key] -= 1
+                if not self._pins[key]:
+                    del self._pins[key]
+            self._leases.remove(lease)
+            self._evict_down_to(self.max_bytes)
+            self._publish_sizes()
+            await self._notify_room()
+
+    async def _admit(self, lease: Lease[T], expected: int | None) -> None:
+        """Wait until a miss of ``expected`` bytes (``None``: unknown) fits beside what is held and reserved."""
+        if self._room is None:
+            self._room = asyncio.Condition()
+
+        def fits() -> bool:
+            # Unpinned items do not count: the store evicts them to make room.
+            if self._leases[0] is lease:
+                return True
+            held = self.pinned_bytes + self._reserved
+            if expected is None:
+                return self._unsized == 0 and held < self.max_bytes
+            return self._unsized == 0 and held + expected <= self.max_bytes
+
+        async with self._room:
+            await self._room.wait_for(fits)
+        if expected is None:
+            self._unsized += 1
+        else:
+            self._reserved += expected
+
+    def _settle(self, expected: int | None) -> None:
+        if expected is None:
+            self._unsized -= 1
+        else:
+            self._reserved -= expected
+
+    async def _notify_room(self) -> None:
+        if self._room is not None:
+            async with self._room:
+                self._room.notify_all()
+
     def _store(self, key: str, item: T) -> None:
         size = self._size_of(item)
-        if size > self.max_bytes:
+        # A leased item is kept even over budget: its lease holds it anyway, and this way it is counted.
+        pinned = self._pins[key] > 0
+        if not pinned and size > self.max_bytes:
+            log.debug("materialize cache: item of %d bytes exceeds the %d-byte budget", size, self.max_bytes)
+            return
+        self._evict_down_to(self.max_bytes - size)
+        if self._bytes + size > self.max_bytes and not pinned:
             log.debug(
-                "materialize cache: item of %d bytes exceeds the %d-byte budget; not cached",
+                "materialize cache: no room for an item of %d bytes (budget %d, %d pinned); not cached",
                 size,
                 self.max_bytes,
+                self.pinned_bytes,
             )
             return
-        while self._bytes + size > self.max_bytes:
-            _, (_, evicted_size) = self._items.popitem(last=False)
-            self._bytes -= evicted_size
-            self.stats.evictions += 1
-            metrics.CACHE_EVICTIONS.inc()
         self._items[key] = (item, size)
         self._bytes += size
         self._publish_sizes()
+
+    def _evict_down_to(self, limit: int) -> None:
+        """Evict unpinned items, least recently used first, until at most ``limit`` bytes are held."""
+        if self._bytes <= limit:
+            return
+        for key in [key for key in self._items if not self._pins[key]]:
+            if self._bytes <= limit:
+                return
+            _, evicted_size = self._items.pop(key)
+            self._bytes -= evicted_size
+            self.stats.evictions += 1
+            metrics.CACHE_EVICTIONS.inc()
 
     def _publish_sizes(self) -> None:
         metrics.CACHE_BYTES.set(self._bytes)
@@ -167,3 +247,27 @@ class MaterializeCache(Generic[T]):
     def _maybe_log(self) -> None:
         if self.stats.lookups % self._log_every == 0:
             log.info(self.summary())
+
+
+class Lease(Generic[T]):
+    """One request's hold on its items (``MaterializeCache.lease``)."""
+
+    def __init__(self, cache: MaterializeCache[T]) -> None:
+        self._cache = cache
+        self.keys: list[str] = []
+
+    async def get(self, key: str, work: Callable[[], T], *, expected_bytes: int | None = None) -> T:
+        """``MaterializeCache.get``, pinned for the lease; a miss first waits for room for ``expected_bytes``."""
+        cache = self._cache
+        if not cache.enabled:
+            return await cache.get(key, work)
+        cache._pins[key] += 1
+        self.keys.append(key)
+        if key in cache or key in cache._inflight:
+            return await cache.get(key, work)
+        await cache._admit(self, expected_bytes)
+        try:
+            return await cache.get(key, work)
+        finally:
+            cache._settle(expected_bytes)
+            await cache._notify_room()

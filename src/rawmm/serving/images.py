@@ -5,15 +5,21 @@ Memory: decoding and processing an image costs about 20 bytes per decoded pixel 
 Qwen2-VL processor on a busy 2-core machine), so unbounded concurrency would let N such images cost N times that. A ``PixelBudget`` admits materializations by their decoded
 pixels (read from the image header before any decode): at most ``capacity`` pixels are in flight across
 all requests, and an image larger than the whole budget runs alone.
+
+A request holds its items through a cache lease (``RequestImages.hold``) until its response: they stay in
+the cache's accounting, and a miss waits for room for its expected size (patches from the ref's grid times
+the bytes per patch this processor's items take), so finished items in flight are bounded by the cache
+budget, not by the number of requests (docs/architecture.md §4).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +78,7 @@ class RequestImages:
         self.cache = cache
         self.max_pixels = max_pixels
         self.budget = budget or PixelBudget(max_pixels)
+        self._bytes_per_patch: float | None = None  # learned from the first item: fixed per processor
 
     def parse(self, features: Any, token_ids: Sequence[int], placeholder_token_id: int) -> list[FeatureImage]:
         """The images of a request in prompt order; every placeholder token must belong to one of them."""
@@ -92,26 +99,60 @@ class RequestImages:
 
     async def materialize(self, images: Sequence[FeatureImage]) -> list[ImageInput]:
         """Engine items for ``images``, all materialized concurrently; a fresh list per request."""
-        items = await asyncio.gather(*(self._item(image) for image in images))
+        items = await asyncio.gather(
+            *(self.cache.get(self._key(image), self._work(image)) for image in images)
+        )
         return [ImageInput(image, item) for image, item in zip(images, items, strict=True)]
 
-    async def _item(self, image: FeatureImage) -> EngineItem:
-        key = cache_key(
+    @asynccontextmanager
+    async def hold(self, images: Sequence[FeatureImage]) -> AsyncIterator[list[ImageInput]]:
+        """``materialize`` for a request that uses its items inside the block: they stay leased until it exits."""
+        async with self.cache.lease() as lease:
+            got = await asyncio.gather(
+                *(
+                    lease.get(self._key(image), self._work(image), expected_bytes=self._expected_bytes(image))
+                    for image in images
+                ),
+                return_exceptions=True,  # every item settled before the lease ends
+            )
+            for outcome in got:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            yield [ImageInput(image, item) for image, item in zip(images, got, strict=True)]  # type: ignore[arg-type]
+
+    def _key(self, image: FeatureImage) -> str:
+        return cache_key(
             image.ref.canonical,
             engine_modality=image.modality,
             placeholder_length=image.length,
             processor_identity=self.processor.identity,
         )
-        work = functools.partial(self._materialize, image)
-        return await self.cache.get(key, work)
+
+    def _work(self, image: FeatureImage) -> functools.partial[EngineItem]:
+        return functools.partial(self._materialize, image)
+
+    def _patches(self, image: FeatureImage) -> int:
+        """Patches (rows of the item's pixels) the ref's grid claims; a malformed grid counts as none."""
+        try:
+            return math.prod(self.processor.family.grid_from_payload(image.ref.payload))
+        except (InvalidImageRef, TypeError, ValueError):
+            return 0
+
+    def _expected_bytes(self, image: FeatureImage) -> int | None:
+        if self._bytes_per_patch is None:
+            return None
+        return math.ceil(self._patches(image) * self._bytes_per_patch)
 
     def _materialize(self, image: FeatureImage) -> EngineItem:
         # A header that cannot be read admits nothing: materialization then fails with the right reason.
         with self.budget.admit(header_pixels(image.ref, self.roots) or 0):
-            return materialize_engine_item(
+            item = materialize_engine_item(
                 image.ref,
                 placeholder_length=image.length,
                 processor=self.processor,
                 roots=self.roots,
                 max_pixels=self.max_pixels,
             )
+        if self._bytes_per_patch is None and (patches := self._patches(image)):
+            self._bytes_per_patch = item.nbytes / patches
+        return item

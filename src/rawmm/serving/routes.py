@@ -105,8 +105,8 @@ def build_router(engine: Engine, images: RequestImages, guard: WeightsGuard = WE
         try:
             engine.check_prompt(body.prompt_token_ids, body.sampling.max_tokens)
             parsed = images.parse(body.features, body.prompt_token_ids, engine.placeholder_token_id)
-            inputs = await images.materialize(parsed)
-            generation = await engine.generate(body.prompt_token_ids, inputs, body.sampling)
+            async with images.hold(parsed) as inputs:  # the items stay accounted until the response
+                generation = await engine.generate(body.prompt_token_ids, inputs, body.sampling)
         except InvalidImageRef as exc:
             metrics.ENGINE_REQUESTS.labels(status="invalid").inc()
             return invalid_ref_response(exc)

@@ -1,0 +1,161 @@
+"""Memory of a request's items: a burst of requests holds at most the cache budget plus one request.
+
+Real uint8 items from the torchvision backend (what vLLM's device-normalize path consumes). Live bytes are
+counted independently of the cache's own accounting: every distinct item a request holds plus every item
+the cache keeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from rawmm.contract import (
+    FeatureImage,
+    InvalidImageRef,
+    OffloadStore,
+    describe_stored_image,
+    encode_ref,
+    parse_ref,
+)
+from rawmm.materialize import EngineItem, LoadedProcessor, MaterializeCache, load_processor
+from rawmm.serving.images import RequestImages
+
+WAIT = 30.0
+
+
+@pytest.fixture
+def loaded(tiny_qwen2_vl: Path) -> LoadedProcessor:
+    return load_processor(tiny_qwen2_vl, "torchvision", pixels="uint8")
+
+
+def same_size_images(
+    store: OffloadStore, loaded: LoadedProcessor, count: int, seed: int = 0
+) -> list[FeatureImage]:
+    """``count`` distinct 96x64 images, each the only image of its prompt (offset 5)."""
+    out = []
+    for index in range(count):
+        pixels = np.random.default_rng(seed + index).integers(0, 256, (64, 96, 3), dtype=np.uint8)
+        stored = store.put(Image.fromarray(pixels))
+        descriptor, layout = describe_stored_image(
+            loaded.family, loaded.config, stored, fingerprint=loaded.fingerprint
+        )
+        ref = parse_ref(encode_ref(descriptor, stored.mm_hash))
+        out.append(FeatureImage("image", ref, 5, layout.num_placeholder_tokens))
+    return out
+
+
+def live_bytes(held: dict[int, list[EngineItem]], cache: MaterializeCache[EngineItem]) -> int:
+    live = {id(item): item for items in held.values() for item in items}
+    live.update({id(item): item for item, _ in cache._items.values()})
+    return sum(item.nbytes for item in live.values())
+
+
+async def quiescent(cache: MaterializeCache[EngineItem]) -> None:
+    """Until no miss is admitted or running (every request holds its items or waits for room)."""
+    deadline = time.monotonic() + WAIT
+    settled = 0
+    while settled < 3:
+        busy = cache._inflight or cache._reserved or cache._unsized
+        settled = 0 if busy else settled + 1
+        assert time.monotonic() < deadline, "materializations did not settle"
+        await asyncio.sleep(0 if not busy else 0.005)
+
+
+async def run_burst(request_images: RequestImages, requests: list[list[FeatureImage]]) -> tuple[int, int]:
+    """All ``requests`` at once, each holding its items until the driver releases it (oldest first, only
+    once nothing else can progress). Returns the peak live bytes and the most requests holding at once."""
+    cache = request_images.cache
+    held: dict[int, list[EngineItem]] = {}
+    releases = [asyncio.Event() for _ in requests]
+    peak, most = 0, 0
+
+    async def request(index: int) -> None:
+        nonlocal peak, most
+        async with request_images.hold(requests[index]) as inputs:
+            held[index] = [image.item for image in inputs]
+            peak, most = max(peak, live_bytes(held, cache)), max(most, len(held))
+            await releases[index].wait()
+            del held[index]
+
+    tasks = [asyncio.create_task(request(index)) for index in range(len(requests))]
+    while not all(task.done() for task in tasks):
+        await quiescent(cache)
+        if all(task.done() for task in tasks):
+            break
+        assert held, "no request holds its items and none can get them: deadlock"
+        releases[min(held)].set()
+        await asyncio.sleep(0)
+    for task in tasks:
+        task.result()
+    return peak, most
+
+
+async def test_a_burst_of_requests_holds_at_most_the_budget_plus_one_item(
+    loaded: LoadedProcessor, offload_store: OffloadStore
+) -> None:
+    images = same_size_images(offload_store, loaded, 12)
+    probe = RequestImages(loaded, roots=[offload_store.root], cache=MaterializeCache(0), max_pixels=10**8)
+    size = (await probe.materialize(images[:1]))[0].item.nbytes
+    budget = int(3.5 * size)
+    request_images = RequestImages(
+        loaded, roots=[offload_store.root], cache=MaterializeCache(budget), max_pixels=10**8
+    )
+    peak, most = await run_burst(request_images, [[image] for image in images])
+    # Without the lease's admission all twelve hold at once (12 items); with it, at most what fits.
+    assert peak <= budget + size, (peak, budget, size)
+    assert most >= 3  # not serialized: as many requests as fit hold their items together
+    assert request_images.cache.bytes <= budget and request_images.cache.pinned_bytes == 0
+
+
+async def test_a_request_larger_than_the_budget_runs_when_oldest_then_the_cache_shrinks_back(
+    loaded: LoadedProcessor, offload_store: OffloadStore
+) -> None:
+    images = same_size_images(offload_store, loaded, 8)
+    probe = RequestImages(loaded, roots=[offload_store.root], cache=MaterializeCache(0), max_pixels=10**8)
+    size = (await probe.materialize(images[:1]))[0].item.nbytes
+    budget = int(2.5 * size)
+    request_images = RequestImages(
+        loaded, roots=[offload_store.root], cache=MaterializeCache(budget), max_pixels=10**8
+    )
+    big = images[:5]  # five items: twice the budget
+    peak, _ = await run_burst(request_images, [[images[5]], big, [images[6]], [images[7]]])
+    assert peak <= budget + len(big) * size
+    assert request_images.cache.bytes <= budget and request_images.cache.pinned_bytes == 0
+
+
+async def test_a_failed_or_cancelled_request_releases_its_items(
+    loaded: LoadedProcessor, offload_store: OffloadStore
+) -> None:
+    good, other = same_size_images(offload_store, loaded, 2)
+    cache: MaterializeCache[EngineItem] = MaterializeCache(10**9)
+    request_images = RequestImages(loaded, roots=[offload_store.root], cache=cache, max_pixels=10**8)
+    gone = dataclasses.replace(
+        good.ref.descriptor(), raw_image_uri=(offload_store.root / "gone.png").as_uri()
+    )
+    missing = dataclasses.replace(good, ref=parse_ref(encode_ref(gone, good.ref.mm_hash)), offset=50)
+    with pytest.raises(InvalidImageRef):
+        async with request_images.hold([good, missing]):
+            pass
+    assert cache.pinned_bytes == 0 and len(cache) == 1  # the good item stays cached, unpinned
+
+    entered = asyncio.Event()
+
+    async def hold_forever() -> None:
+        async with request_images.hold([other]):
+            entered.set()
+            await asyncio.Event().wait()
+
+    task = asyncio.create_task(hold_forever())
+    await asyncio.wait_for(entered.wait(), WAIT)
+    assert cache.pinned_bytes > 0
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cache.pinned_bytes == 0 and not cache._leases
