@@ -91,8 +91,9 @@ def replay_trainer(config_path: Path) -> dict:
     from transformers import AutoModelForImageTextToText
 
     from rawmm.config import RunConfig
+    from rawmm.contract.shared_dir import written_steps
     from rawmm.materialize import load_processor
-    from rawmm.rl.batches import read_batch, written_steps
+    from rawmm.rl.batches import read_batch
     from rawmm.rl.forward import forward_logprobs
     from rawmm.rl.materializer import RawImageMaterializer
     from rawmm.rl.packing import pack_samples

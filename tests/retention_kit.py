@@ -9,13 +9,12 @@ from pathlib import Path
 
 from PIL import Image
 
-from rawmm.config import SharedDir
 from rawmm.contract import OffloadStore, StoredImage, describe_stored_image
+from rawmm.contract.shared_dir import LATEST, SharedDir
 from rawmm.materialize import LoadedProcessor
 from rawmm.rl.batches import write_batch
 from rawmm.rl.files import write_atomically
 from rawmm.rl.samples import RolloutBatch, Sample, build_mm_refs
-from rawmm.rl.trainer.checkpoint import LATEST
 
 HOUR = 3600.0
 

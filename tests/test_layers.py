@@ -23,6 +23,11 @@ FORBIDDEN: dict[str, set[str]] = {
     "rawmm.materialize": {"rawmm.serving", "rawmm.rl", "rawmm.run", "rawmm.commands", "rawmm.cli"},
     "rawmm.serving": {"rawmm.rl", "rawmm.run", "rawmm.commands", "rawmm.cli"},
     "rawmm.rl": {"rawmm.serving", "rawmm.run", "rawmm.commands", "rawmm.cli"},
+    # The orchestrator and the trainer meet only in the shared directory (rawmm.contract.shared_dir), and
+    # offload retention reads it without either (the GC process needs no torch).
+    "rawmm.rl.orchestrator": {"rawmm.rl.trainer"},
+    "rawmm.rl.trainer": {"rawmm.rl.orchestrator"},
+    "rawmm.rl.retention": {"rawmm.rl.trainer", "rawmm.rl.orchestrator"},
     # The run config stays light: the operator and every process read it.
     "rawmm.config": {"rawmm.materialize", "rawmm.serving", "rawmm.rl", "rawmm.run", "rawmm.commands"},
 }

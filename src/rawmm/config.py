@@ -6,7 +6,6 @@ derives its sections from these models, so a field added here with a default app
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 # The families' own records decide which presets and backends exist.
 from rawmm.contract.families import Backend as ProcessorBackend
 from rawmm.contract.families import Preset
+from rawmm.contract.shared_dir import SharedDir
 from rawmm.duration import DURATION_PATTERN, parse_duration
 from rawmm.quantity import BYTE_SIZE_PATTERN, parse_byte_size
 from rawmm.retention_bounds import check_older_than
@@ -192,25 +192,6 @@ class RetentionConfig(StrictModel):
 
 class OffloadConfig(StrictModel):
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
-
-
-@dataclass(frozen=True)
-class SharedDir:
-    """The layout of a run's shared directory, for the commands that get only its path (`rawmm gc`)."""
-
-    path: Path
-
-    @property
-    def offload_dir(self) -> Path:
-        return self.path / "images"
-
-    @property
-    def rollouts_dir(self) -> Path:
-        return self.path / "rollouts"
-
-    @property
-    def checkpoints_dir(self) -> Path:
-        return self.path / "checkpoints"
 
 
 class RunConfig(StrictModel):

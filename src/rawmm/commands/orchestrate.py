@@ -94,8 +94,9 @@ async def _orchestrate(
 ) -> int:
     import httpx
 
+    from rawmm.contract.shared_dir import CheckpointTimeout
     from rawmm.rl.orchestrator.engine_client import EngineClient
-    from rawmm.rl.orchestrator.loop import AllRolloutsDropped, CheckpointTimeout, Orchestrator, print_report
+    from rawmm.rl.orchestrator.loop import AllRolloutsDropped, Orchestrator, print_report
     from rawmm.rl.orchestrator.replicas import NoReplicaAvailable, ReplicaPool
     from rawmm.rl.samples import SampleError
 

@@ -32,9 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
+    from rawmm.contract.shared_dir import BatchTimeout
     from rawmm.rl.materializer import MissingImageError
     from rawmm.rl.trainer.distributed import init_distributed, shutdown_distributed
-    from rawmm.rl.trainer.loop import BatchTimeout, Trainer, step_log_line
+    from rawmm.rl.trainer.loop import Trainer, step_log_line
     from rawmm.rl.trainer.train_state import MissingTrainState
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")

@@ -1,4 +1,4 @@
-"""Rollout batches on the shared volume: `<shared_dir>/rollouts/step_<N>.msgpack`, one per step.
+"""Rollout batches on the shared volume, one per step (where: `rawmm.contract.shared_dir`).
 
 The orchestrator writes each batch atomically (temporary file in the same directory, then
 `os.replace`), so a reader sees either nothing or the whole batch, never a partial file.
@@ -6,24 +6,17 @@ The orchestrator writes each batch atomically (temporary file in the same direct
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from rawmm.rl.files import write_atomically
+from rawmm.contract.shared_dir import batch_path, wait_for_batch_file
 from rawmm.rl.samples import RolloutBatch, decode_batch, encode_batch
-
-_BATCH_NAME = re.compile(r"^step_(\d+)\.msgpack$")
-
-
-def batch_path(rollouts_dir: Path, step: int) -> Path:
-    return Path(rollouts_dir) / f"step_{step}.msgpack"
 
 
 def write_batch(rollouts_dir: Path, batch: RolloutBatch) -> Path:
-    """Write `batch` as `step_<batch.step>.msgpack` atomically; returns its path."""
-    rollouts_dir = Path(rollouts_dir)
-    rollouts_dir.mkdir(parents=True, exist_ok=True)
+    """Write the batch of `batch.step` atomically; returns its path."""
     path = batch_path(rollouts_dir, batch.step)
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, encode_batch(batch))
     return path
 
@@ -32,9 +25,12 @@ def read_batch(rollouts_dir: Path, step: int) -> RolloutBatch:
     return decode_batch(batch_path(rollouts_dir, step).read_bytes())
 
 
-def written_steps(rollouts_dir: Path) -> list[int]:
-    """Steps whose batch is on disk, ascending."""
-    rollouts_dir = Path(rollouts_dir)
-    if not rollouts_dir.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in rollouts_dir.iterdir() if (m := _BATCH_NAME.match(p.name)))
+def wait_for_batch(
+    rollouts_dir: Path, step: int, *, timeout_s: float | None, poll_s: float = 0.2
+) -> RolloutBatch:
+    """Step `step`'s batch once the orchestrator has written it (`BatchTimeout` after `timeout_s`)."""
+    path = wait_for_batch_file(rollouts_dir, step, timeout_s=timeout_s, poll_s=poll_s)
+    batch = read_batch(rollouts_dir, step)
+    if batch.step != step:
+        raise ValueError(f"{path} holds the batch of step {batch.step}, expected {step}")
+    return batch

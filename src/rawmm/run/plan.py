@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rawmm.config import RunConfig
+from rawmm.contract.shared_dir import SharedDir
 from rawmm.model_path import model_path_problem
 
 TINY_PREFIX = "tiny:"
@@ -146,8 +147,7 @@ def _check_environment(config: RunConfig) -> None:
 
 
 def _refuse_previous_run(shared_dir: Path) -> None:
-    rollouts, checkpoints = shared_dir / "rollouts", shared_dir / "checkpoints"
-    if any(rollouts.glob("step_*.msgpack")) or (checkpoints / "latest").exists():
+    if SharedDir(shared_dir).holds_a_run():
         raise PlanError(
             f"shared_dir {shared_dir} already holds a run's rollouts or checkpoints; "
             "use a new --output-dir (or an empty shared_dir)"

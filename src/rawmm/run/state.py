@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rawmm.contract.shared_dir import SharedDir, checkpoint_dir, checkpoint_steps
 from rawmm.run.scrape import Scrape
 
 SUMMARY_KEYS = (
@@ -102,15 +103,8 @@ class RunState:
         output_dir: Path,
         wall_seconds: float,
     ) -> dict[str, Any]:
-        checkpoints_dir = shared_dir / "checkpoints"
-        checkpoints = sorted(
-            (
-                p
-                for p in checkpoints_dir.glob("step_*")
-                if p.is_dir() and p.name.removeprefix("step_").isdigit()
-            ),
-            key=lambda p: int(p.name.removeprefix("step_")),
-        )
+        checkpoints_dir = SharedDir(shared_dir).checkpoints_dir
+        checkpoints = [checkpoint_dir(checkpoints_dir, step) for step in checkpoint_steps(checkpoints_dir)]
         trained = sorted(self.trainer_steps)
         summary = {
             "status": status,

@@ -13,10 +13,11 @@ from PIL import Image
 
 from rawmm.config import RunConfig
 from rawmm.contract import OffloadStore, parse_ref
-from rawmm.rl.batches import batch_path, read_batch, write_batch
+from rawmm.contract.shared_dir import CheckpointTimeout, SharedDir, batch_path, checkpoint_dir, latest_path
+from rawmm.rl.batches import read_batch, write_batch
 from rawmm.rl.envs import Environment, Episode, StepResult, load_environment
 from rawmm.rl.orchestrator.engine_client import EngineClient, RetryPolicy
-from rawmm.rl.orchestrator.loop import AllRolloutsDropped, CheckpointTimeout, Orchestrator
+from rawmm.rl.orchestrator.loop import AllRolloutsDropped, Orchestrator
 from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
 from rawmm.rl.orchestrator.replicas import ReplicaPool, rendezvous_order
 from rawmm.rl.orchestrator.rollout import PromptRenderer, RolloutId, request_seed
@@ -97,9 +98,10 @@ async def orchestrator_factory(tmp_path, renderer_parts):
 
 def finish_checkpoint(shared: Path, step: int) -> Path:
     """What the trainer leaves behind: `checkpoints/step_<N>/` and `latest`."""
-    path = shared / "checkpoints" / f"step_{step}"
+    checkpoints = SharedDir(shared).checkpoints_dir
+    path = checkpoint_dir(checkpoints, step)
     path.mkdir(parents=True, exist_ok=True)
-    (shared / "checkpoints" / "latest").write_text(f"{step}\n")
+    latest_path(checkpoints).write_text(f"{step}\n")
     return path
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rawmm.config import SharedDir
 from rawmm.contract import OffloadStore
+from rawmm.contract.shared_dir import SharedDir
 from rawmm.materialize import LoadedProcessor, load_processor
 
 

@@ -14,8 +14,8 @@ import threading
 import pytest
 from retention_kit import HOUR, age, aged_images, checkpoint, png, write_step
 
-from rawmm.config import SharedDir
 from rawmm.contract import InvalidImageRef, OffloadStore
+from rawmm.contract.shared_dir import SharedDir
 from rawmm.materialize import LoadedProcessor
 from rawmm.rl.batches import read_batch
 from rawmm.rl.materializer import RawImageMaterializer

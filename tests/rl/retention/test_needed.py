@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from retention_kit import aged_images, checkpoint, write_step
 
-from rawmm.config import SharedDir
 from rawmm.contract import OffloadStore
+from rawmm.contract.shared_dir import SharedDir
 from rawmm.materialize import LoadedProcessor
 from rawmm.rl.retention.needed import needed_images
 from rawmm.rl.samples import SampleError

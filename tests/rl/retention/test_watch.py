@@ -7,8 +7,8 @@ import time
 
 from retention_kit import HOUR, aged_images, checkpoint, write_step
 
-from rawmm.config import SharedDir
 from rawmm.contract import OffloadStore
+from rawmm.contract.shared_dir import SharedDir
 from rawmm.materialize import LoadedProcessor
 from rawmm.rl.retention.watch import PassResult, watch
 

@@ -5,14 +5,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
-from rawmm.rl.trainer.checkpoint import (
-    LATEST,
-    TRAIN_STATE,
-    checkpoint_dir,
-    latest_step,
-    save_checkpoint,
-    train_state_dir,
-)
+from rawmm.contract.shared_dir import LATEST, TRAIN_STATE, checkpoint_dir, latest_step, train_state_dir
+from rawmm.rl.trainer.checkpoint import save_checkpoint
 from rawmm.rl.trainer.train_state import MissingTrainState, load_train_state
 
 

@@ -9,8 +9,8 @@ import yaml
 from rollout_kit import torchrun_train
 from safetensors.torch import load_file
 
+from rawmm.contract.shared_dir import checkpoint_dir
 from rawmm.rl.packing import pack_samples
-from rawmm.rl.trainer.checkpoint import checkpoint_dir
 from rawmm.rl.trainer.distributed import init_distributed
 from rawmm.rl.trainer.loop import Trainer
 

@@ -24,10 +24,10 @@ from rollout_kit import RolloutFactory, random_image, run_config, torchrun_train
 from safetensors.torch import load_file
 
 from rawmm.config import RunConfig
+from rawmm.contract.shared_dir import checkpoint_dir, latest_step, train_state_dir
 from rawmm.materialize import load_processor
 from rawmm.rl.packing import pack_samples
 from rawmm.rl.samples import truncate_sample
-from rawmm.rl.trainer.checkpoint import checkpoint_dir, latest_step, train_state_dir
 from rawmm.rl.trainer.distributed import init_distributed
 from rawmm.rl.trainer.lockstep import rank_slots
 from rawmm.rl.trainer.loop import Trainer

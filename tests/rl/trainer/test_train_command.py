@@ -7,7 +7,7 @@ import json
 import yaml
 
 from rawmm.cli import main
-from rawmm.rl.trainer.checkpoint import latest_step
+from rawmm.contract.shared_dir import latest_step
 
 
 def write_config(path, config) -> str:  # noqa: ANN001

@@ -8,11 +8,10 @@ from prometheus_client import REGISTRY
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-from rawmm.rl.batches import batch_path
+from rawmm.contract.shared_dir import checkpoint_dir, latest_step
 from rawmm.rl.materializer import MissingImageError
-from rawmm.rl.trainer.checkpoint import checkpoint_dir, latest_step
 from rawmm.rl.trainer.distributed import init_distributed
-from rawmm.rl.trainer.loop import BatchTimeout, Trainer, wait_for_batch
+from rawmm.rl.trainer.loop import Trainer
 
 
 def metric(name: str, **labels: str) -> float:
@@ -108,15 +107,6 @@ def test_resume_continues_adamw_exactly_as_without_a_stop(rollouts, tmp_path):
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
     assert latest_step(config.checkpoints_dir) == 2
-
-
-def test_wait_for_batch_times_out_and_checks_the_step(rollouts):
-    with pytest.raises(BatchTimeout, match="step 3"):
-        wait_for_batch(rollouts.config.rollouts_dir, 3, timeout=0.05, poll_interval=0.01)
-    rollouts.write(4, [])
-    batch_path(rollouts.config.rollouts_dir, 4).rename(batch_path(rollouts.config.rollouts_dir, 3))
-    with pytest.raises(ValueError, match="holds the batch of step 4, expected 3"):
-        wait_for_batch(rollouts.config.rollouts_dir, 3, timeout=1)
 
 
 def test_activation_checkpointing_saves_less_for_backward_and_changes_nothing_else(

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from rawmm.config import RunConfig
-from rawmm.rl.batches import write_batch, written_steps
+from rawmm.contract.shared_dir import checkpoint_dir, latest_step, wait_for_checkpoint, written_steps
+from rawmm.rl.batches import write_batch
 from rawmm.rl.envs import Environment
 from rawmm.rl.orchestrator.advantages import group_advantages
 from rawmm.rl.orchestrator.engine_client import InvalidRefError, RequestRejected
@@ -32,18 +33,12 @@ from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
 from rawmm.rl.orchestrator.replicas import ReplicaPool
 from rawmm.rl.orchestrator.rollout import PromptRenderer, Rollout, RolloutId, play, turn_samples
 from rawmm.rl.samples import RolloutBatch, Sample
-from rawmm.rl.trainer.checkpoint import checkpoint_dir, latest_step
 
 log = logging.getLogger(__name__)
 
 
 class AllRolloutsDropped(RuntimeError):
     """Every rollout of a step was rejected; training on nothing would hide the problem."""
-
-
-class CheckpointTimeout(TimeoutError):
-    """The trainer's checkpoint for a step did not appear within the allowed time (the mirror of the
-    trainer's `BatchTimeout`: neither side waits forever for a peer that is gone)."""
 
 
 @dataclass(frozen=True)
@@ -73,13 +68,13 @@ class Orchestrator:
         renderer: PromptRenderer,
         environment: Environment,
         metrics: OrchestratorMetrics,
+        checkpoint_timeout_s: float | None,
         poll_interval_s: float = 0.2,
-        checkpoint_timeout_s: float | None = None,
     ) -> None:
         self.config, self.pool, self.renderer = config, pool, renderer
         self.environment, self.metrics = environment, metrics
         self._poll_interval_s = poll_interval_s
-        self._checkpoint_timeout_s = checkpoint_timeout_s  # None: wait forever
+        self._checkpoint_timeout_s = checkpoint_timeout_s  # per wait; None: as long as it takes
         self.weights_step = 0  # the checkpoint the replicas were last told to load (0 = as started)
 
     async def run(
@@ -180,15 +175,15 @@ class Orchestrator:
         return samples
 
     async def _wait_for_trainer(self, step: int) -> float:
-        """Wait until the trainer's latest checkpoint is at least `step`; returns the seconds waited."""
+        """Wait until the trainer's latest checkpoint is at least `step` (`CheckpointTimeout` after the
+        checkpoint timeout); returns the seconds waited."""
         started = time.perf_counter()
-        while latest_step(self.config.checkpoints_dir) < step:
-            waited = time.perf_counter() - started
-            if self._checkpoint_timeout_s is not None and waited >= self._checkpoint_timeout_s:
-                raise CheckpointTimeout(
-                    f"no trainer checkpoint for step {step} in {self.config.checkpoints_dir} after {waited:.0f}s"
-                )
-            await asyncio.sleep(self._poll_interval_s)
+        await wait_for_checkpoint(
+            self.config.checkpoints_dir,
+            step,
+            timeout_s=self._checkpoint_timeout_s,
+            poll_s=self._poll_interval_s,
+        )
         return time.perf_counter() - started
 
     async def _sync_weights(self) -> None:

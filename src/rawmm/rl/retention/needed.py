@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rawmm.config import SharedDir
-from rawmm.rl.batches import read_batch, written_steps
-from rawmm.rl.trainer.checkpoint import latest_step
+from rawmm.contract.shared_dir import SharedDir, latest_step, written_steps
+from rawmm.rl.batches import read_batch
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rawmm.config import SharedDir
 from rawmm.contract.gc import GCReport, collect
+from rawmm.contract.shared_dir import SharedDir, latest_step
 from rawmm.rl.retention.needed import NeededImages, needed_images
-from rawmm.rl.trainer.checkpoint import latest_step
 
 
 @dataclass(frozen=True)

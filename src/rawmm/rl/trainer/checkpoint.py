@@ -1,4 +1,5 @@
-"""Checkpoints on the shared volume: `checkpoints/step_<N>/` plus `checkpoints/latest`.
+"""Checkpoints on the shared volume: `checkpoints/step_<N>/` plus `checkpoints/latest`
+(the names: `rawmm.contract.shared_dir`).
 
 Each checkpoint is a complete `from_pretrained` directory, so an engine can load it as it loads the
 base model: the base checkpoint's own tokenizer, processor, chat template (and remote code) files,
@@ -21,31 +22,17 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from rawmm.rl.files import write_atomically
+from rawmm.contract.shared_dir import (
+    TRAIN_STATE,
+    checkpoint_dir,
+    checkpoint_steps,
+    latest_path,
+    staging_dir,
+    train_state_dir,
+)
 from rawmm.rl.trainer.train_state import save_train_state
 
-LATEST = "latest"
-TRAIN_STATE = "trainer_state"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-
-
-def checkpoint_dir(checkpoints_dir: Path, step: int) -> Path:
-    return Path(checkpoints_dir) / f"step_{step}"
-
-
-def train_state_dir(checkpoints_dir: Path, step: int) -> Path:
-    return checkpoint_dir(checkpoints_dir, step) / TRAIN_STATE
-
-
-def latest_step(checkpoints_dir: Path) -> int:
-    """The newest step with a finished checkpoint; 0 (the base model) when there is none."""
-    path = Path(checkpoints_dir) / LATEST
-    try:
-        text = path.read_text().strip()
-    except FileNotFoundError:
-        return 0
-    if not text.isdigit():
-        raise ValueError(f"{path} should hold a step number, found {text[:40]!r}")
-    return int(text)
 
 
 def _is_weights(name: str) -> bool:
@@ -93,7 +80,7 @@ def save_checkpoint(
     """
     checkpoints_dir = Path(checkpoints_dir)
     final = checkpoint_dir(checkpoints_dir, step)
-    staging = final.with_name(final.name + ".tmp")
+    staging = staging_dir(checkpoints_dir, step)
     if is_main:
         shutil.rmtree(staging, ignore_errors=True)  # left over from a crash mid-write
         staging.mkdir(parents=True)
@@ -110,9 +97,9 @@ def save_checkpoint(
         if final.exists():  # a re-run of this step (e.g. after a restart): the new weights win
             shutil.rmtree(final)
         os.replace(staging, final)
-        write_atomically(checkpoints_dir / LATEST, f"{step}\n".encode())
-        for older in checkpoints_dir.glob(f"step_*/{TRAIN_STATE}"):
-            if older.parent != final:
-                shutil.rmtree(older)
+        write_atomically(latest_path(checkpoints_dir), f"{step}\n".encode())
+        for older in checkpoint_steps(checkpoints_dir):
+            if older != step and (state := train_state_dir(checkpoints_dir, older)).exists():
+                shutil.rmtree(state)
     _barrier()  # no rank runs ahead of a checkpoint it may be asked about
     return final

@@ -13,23 +13,20 @@ from torch.distributed.tensor import DTensor
 
 from rawmm import metrics as shared_metrics
 from rawmm.config import RunConfig
+from rawmm.contract.shared_dir import latest_step, train_state_dir
 from rawmm.materialize import load_processor
-from rawmm.rl.batches import batch_path, read_batch
+from rawmm.rl.batches import wait_for_batch
 from rawmm.rl.forward import forward_logprobs, sample_starts
 from rawmm.rl.materializer import MaterializedMicroBatch, RawImageMaterializer
 from rawmm.rl.packing import pack_samples
 from rawmm.rl.samples import RolloutBatch, truncate_sample
 from rawmm.rl.trainer import metrics
-from rawmm.rl.trainer.checkpoint import latest_step, resolve_model_dir, save_checkpoint, train_state_dir
+from rawmm.rl.trainer.checkpoint import resolve_model_dir, save_checkpoint
 from rawmm.rl.trainer.distributed import DistContext, all_reduce_gradients, all_reduce_sum
 from rawmm.rl.trainer.fsdp import load_from_rank0, meta_model, shard_model
 from rawmm.rl.trainer.lockstep import Slot, append_filler, rank_slots
 from rawmm.rl.trainer.loss import policy_gradient_loss
 from rawmm.rl.trainer.train_state import load_train_state
-
-
-class BatchTimeout(TimeoutError):
-    """No rollout batch appeared for a step within the allowed time."""
 
 
 @dataclass(frozen=True)
@@ -49,22 +46,6 @@ class TrainStepReport:
     materialize_seconds: float
     step_seconds: float
     checkpoint: str
-
-
-def wait_for_batch(
-    rollouts_dir: Path, step: int, *, timeout: float | None, poll_interval: float = 0.2
-) -> RolloutBatch:
-    """Block until `step_<step>.msgpack` exists (the orchestrator writes it atomically), then read it."""
-    path = batch_path(rollouts_dir, step)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while not path.exists():
-        if deadline is not None and time.monotonic() >= deadline:
-            raise BatchTimeout(f"no rollout batch for step {step} at {path} after {timeout:.0f}s")
-        time.sleep(poll_interval)
-    batch = read_batch(rollouts_dir, step)
-    if batch.step != step:
-        raise ValueError(f"{path} holds the batch of step {batch.step}, expected {step}")
-    return batch
 
 
 class Trainer:
@@ -224,13 +205,14 @@ class Trainer:
         self,
         steps: int,
         *,
-        batch_timeout: float | None = None,
+        batch_timeout: float | None,
         on_step: Callable[[TrainStepReport], None] | None = None,
     ) -> list[TrainStepReport]:
-        """Train steps `latest + 1 .. steps`, each on `rollouts/step_<N>.msgpack` once it appears."""
+        """Train steps `latest + 1 .. steps`, each on its rollout batch once it appears (waiting at most
+        `batch_timeout` seconds for each; None: as long as it takes)."""
         results = []
         for step in range(self.step + 1, steps + 1):
-            batch = wait_for_batch(self.config.rollouts_dir, step, timeout=batch_timeout)
+            batch = wait_for_batch(self.config.rollouts_dir, step, timeout_s=batch_timeout)
             result = self.train_step(batch)
             results.append(result)
             if on_step is not None:
