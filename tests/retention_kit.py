@@ -10,10 +10,10 @@ from pathlib import Path
 from PIL import Image
 
 from rawmm.contract import OffloadStore, StoredImage, describe_stored_image
+from rawmm.contract.files import write_atomically
 from rawmm.contract.shared_dir import LATEST, SharedDir
 from rawmm.materialize import LoadedProcessor
 from rawmm.rl.batches import write_batch
-from rawmm.rl.files import write_atomically
 from rawmm.rl.samples import RolloutBatch, Sample, build_mm_refs
 
 HOUR = 3600.0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rawmm.rl.files import write_atomically
+from rawmm.contract.files import write_atomically
 from rawmm.contract.shared_dir import batch_path, wait_for_batch_file
 from rawmm.rl.samples import RolloutBatch, decode_batch, encode_batch
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from rawmm.rl.files import write_atomically
+from rawmm.contract.files import write_atomically
 from rawmm.contract.shared_dir import (
     TRAIN_STATE,
     checkpoint_dir,
