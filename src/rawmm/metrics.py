@@ -80,6 +80,12 @@ ENGINE_CORE_ITEM_BYTES = Counter(
     "Tensor bytes of the image items that crossed to vLLM's engine core",
     registry=None,
 )
+ENGINE_CORE_RESENDS = Counter(
+    "rawmm_engine_core_resends",
+    "Requests resent with their items' data after the engine core missed an item the sender cache took for "
+    "held (the two caches drifted)",
+    registry=None,
+)
 
 _ENGINE_METRICS = (
     CACHE_HITS,
@@ -95,7 +101,7 @@ _ENGINE_METRICS = (
     WEIGHTS_REFUSED,
 )
 _engine_registered = False
-_VLLM_METRICS = (ENGINE_CORE_ITEMS, ENGINE_CORE_ITEM_BYTES)
+_VLLM_METRICS = (ENGINE_CORE_ITEMS, ENGINE_CORE_ITEM_BYTES, ENGINE_CORE_RESENDS)
 _vllm_registered = False
 
 

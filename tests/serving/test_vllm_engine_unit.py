@@ -175,3 +175,79 @@ def test_reserved_vllm_arguments_are_refused_with_the_reason(tiny_qwen2_vl: Path
             parse(*extra)
     with pytest.raises(VllmArgsError, match="refused"):
         parse("--max-model-len", "many")
+
+
+class CachingClient(ScriptedClient):
+    """vLLM's own key-replicated multimodal caches around the scripted engine: the sender cache (P0) on a
+    one-thread renderer executor as in AsyncLLM, the receiver cache (P1) where the engine core keeps it.
+    A receiver miss answers as vLLM 0.32 does: the hashes dropped from P0, the request finished 'error'."""
+
+    def __init__(self, model: Path, cache_gb: float) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from vllm.multimodal.cache import LruKeyReplicatedReceiverCache, LruKeyReplicatedSenderCache
+
+        super().__init__(model)
+        config = SimpleNamespace(
+            get_multimodal_config=lambda: SimpleNamespace(mm_processor_cache_gb=cache_gb)
+        )
+        self.renderer = SimpleNamespace(
+            mm_processor_cache=LruKeyReplicatedSenderCache(config),
+            _mm_executor=ThreadPoolExecutor(1),
+        )
+        self.receiver = LruKeyReplicatedReceiverCache(config)
+        self.received: list[list[bool]] = []  # per engine request: which items carried data
+
+    async def generate(self, engine_input: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        from vllm.multimodal.cache import MultiModalCacheMissError
+
+        self._step("generate")
+        items = engine_input["mm_kwargs"]["image"]
+        self.received.append([item is not None for item in items])
+        try:
+            for item, mm_hash in zip(items, engine_input["mm_hashes"]["image"], strict=True):
+                self.receiver.get_and_update_item(item, mm_hash)
+        except MultiModalCacheMissError as miss:
+            for mm_hash in miss.mm_hashes:
+                self.renderer.mm_processor_cache.invalidate(mm_hash)
+            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[], logprobs=[], finish_reason="error")])
+            return
+        yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[], logprobs=[], finish_reason="stop")])
+
+
+async def test_a_drifted_receiver_cache_is_resent_once_with_the_data(
+    tiny_qwen2_vl: Path, tmp_path: Path
+) -> None:
+    from PIL import Image
+
+    from rawmm import metrics
+    from rawmm.contract import FeatureImage, OffloadStore, describe_stored_image, encode_ref, parse_ref
+    from rawmm.materialize import MaterializeCache
+    from rawmm.serving.images import RequestImages
+
+    client = CachingClient(tiny_qwen2_vl, cache_gb=0.01)
+    engine = engine_for(client, tiny_qwen2_vl)
+    store = OffloadStore(tmp_path / "offload")
+    stored = store.put(Image.new("RGB", (64, 48), (200, 40, 90)))
+    loaded = engine.processor
+    descriptor, layout = describe_stored_image(
+        loaded.family, loaded.config, stored, fingerprint=loaded.fingerprint
+    )
+    feature = FeatureImage(
+        "image", parse_ref(encode_ref(descriptor, stored.mm_hash)), 1, layout.num_placeholder_tokens
+    )
+    token_ids = [5, *[engine.placeholder_token_id] * feature.length, 6]
+    images = await RequestImages(
+        loaded, roots=[store.root], cache=MaterializeCache(0), max_pixels=10**8
+    ).materialize([feature])
+    resends = metrics.ENGINE_CORE_RESENDS._value.get()
+
+    await engine.generate(token_ids, images, Sampling(max_tokens=2))
+    await engine.generate(token_ids, images, Sampling(max_tokens=2))
+    assert client.received == [[True], [False]]  # the resend carried only the hash: P1 holds the item
+    client.receiver.clear_cache()  # the engine core alone forgets (P0 and P1 drift)
+    generation = await engine.generate(token_ids, images, Sampling(max_tokens=2))
+    assert generation.finish_reason == "stop"
+    assert client.received[2:] == [[False], [True]]  # the hash missed; the retry carried the data
+    assert metrics.ENGINE_CORE_RESENDS._value.get() - resends == 1
+    client.renderer._mm_executor.shutdown()

@@ -222,6 +222,7 @@ class VllmEngine(Engine):
                 # e.g. concurrent requests reached it in another order): vLLM dropped those hashes from
                 # the sender cache, so the retry carries their data.
                 log.warning("engine-core multimodal cache miss; resending the request with its items")
+                metrics.ENGINE_CORE_RESENDS.inc()
                 final = await self._generate_once(
                     build_engine_input(token_ids, images, self.processor), params
                 )
