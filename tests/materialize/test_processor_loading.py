@@ -11,9 +11,14 @@ import pytest
 from PIL import Image
 
 from rawmm.contract import get_family
-from rawmm.materialize import processor as processor_module
+from rawmm.contract.families import FAMILIES
+from rawmm.materialize.adapters import FamilyAdapter, QwenVLAdapter, get_adapter
 from rawmm.materialize.kimi import KimiK25ImageProcessor
 from rawmm.materialize.processor import load_processor
+
+# One processor checkpoint fixture per family: a family added to the contract fails the test below until
+# its adapter loads a checkpoint of it.
+CHECKPOINT_FIXTURES = {"qwen_vl": "tiny_qwen2_vl", "kimi_k25": "kimi_checkpoint"}
 
 
 def test_each_backend_loads_its_own_processor_class_and_identity(tiny_qwen2_vl: Path) -> None:
@@ -56,7 +61,7 @@ def test_a_silent_backend_fallback_is_an_error(
 ) -> None:
     copy = shutil.copytree(tiny_qwen2_vl, tmp_path / "copy")  # a fresh path: not in the load cache
     pil_processor = load_processor(tiny_qwen2_vl, "pil").processor
-    monkeypatch.setattr(processor_module, "_load_image_processor", lambda *args: pil_processor)
+    monkeypatch.setattr(QwenVLAdapter, "load_image_processor", lambda *args: pil_processor)
     with pytest.raises(ValueError, match="asked for the torchvision"):
         load_processor(copy, "torchvision")
 
@@ -85,3 +90,25 @@ def test_renderer_config_and_loaded_processor_agree_on_the_fingerprint(
     for path in (tiny_qwen3_vl, kimi_checkpoint):
         loaded = load_processor(path, "pil")
         assert loaded.family.config_from_pretrained(path) == loaded.config
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("backend", ["pil", "torchvision"])
+def test_every_family_has_an_adapter_that_loads_its_processor(
+    family: str, backend: str, request: pytest.FixtureRequest
+) -> None:
+    assert family in CHECKPOINT_FIXTURES, f"no processor checkpoint fixture for family {family!r}"
+    adapter = get_adapter(family)
+    # Its own loader, not an inherited one: an adapter that forgot it cannot even be instantiated.
+    assert "load_image_processor" in type(adapter).__dict__
+    assert "load_image_processor" in FamilyAdapter.__abstractmethods__
+    loaded = load_processor(request.getfixturevalue(CHECKPOINT_FIXTURES[family]), backend)
+    assert (loaded.family.name, loaded.backend) == (family, backend)
+    assert adapter.backend_of(loaded.processor) == backend
+
+
+def test_an_adapter_refuses_another_familys_processor(tiny_qwen2_vl: Path, kimi_checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="not rawmm's Kimi"):
+        get_adapter("kimi_k25").backend_of(load_processor(tiny_qwen2_vl).processor)
+    with pytest.raises(ValueError, match="neither a PIL nor a torchvision"):
+        get_adapter("qwen_vl").backend_of(load_processor(kimi_checkpoint).processor)

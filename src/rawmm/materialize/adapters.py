@@ -1,6 +1,8 @@
-"""Family adapters: decoded images -> model inputs, checked against what each descriptor claims.
+"""Family adapters: a checkpoint's image processor, and decoded images -> model inputs, checked against what
+each descriptor claims.
 
-The same adapter serves the engine (one image -> one ``EngineItem`` under the engine modality) and
+The adapter is a family's one record on the materialize side (the contract's ``Family`` holds the layout
+math): how its processor is loaded, which backend a loaded one runs, and how it is called. The same adapter serves the engine (one image -> one ``EngineItem`` under the engine modality) and
 the trainer (a batch -> the model's kwargs), so both sides run the same processor code on the same
 bytes. Every disagreement between a descriptor and the processor is a client error with a reason:
 another family or modality, another processor fingerprint, another grid, another placeholder length.
@@ -10,15 +12,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from PIL import Image
 
 from rawmm.contract import InvalidImageRef, RawImageDescriptor, get_family
-from rawmm.contract.families import Family
+from rawmm.contract.families import Family, checkpoint_file
 from rawmm.materialize.items import EngineItem, FieldKind, ForwardPolicy, TrainerInputs
-from rawmm.materialize.processor import LoadedProcessor
+from rawmm.materialize.kimi import KimiK25ImageProcessor
+from rawmm.materialize.qwen_uint8 import uint8_patches
+
+if TYPE_CHECKING:  # processor.py loads processors through the adapters
+    from rawmm.materialize.processor import LoadedProcessor
 
 
 class FamilyAdapter(ABC):
@@ -31,6 +37,20 @@ class FamilyAdapter(ABC):
     @property
     def family(self) -> Family[Any]:
         return get_family(self.family_name)
+
+    @abstractmethod
+    def load_image_processor(self, path: str, backend: str, trust_remote_code: bool) -> Any:
+        """The image processor of checkpoint ``path`` (a local dir or a hub id) on ``backend``."""
+
+    def backend_of(self, processor: Any) -> str:
+        """The backend a loaded image processor really uses; transformers' processors tell by their class."""
+        from transformers.image_processing_backends import PilBackend, TorchvisionBackend
+
+        if isinstance(processor, PilBackend):
+            return "pil"
+        if isinstance(processor, TorchvisionBackend):
+            return "torchvision"
+        raise ValueError(f"{type(processor).__name__} is neither a PIL nor a torchvision image processor")
 
     @abstractmethod
     def _process(
@@ -123,14 +143,24 @@ class QwenVLAdapter(FamilyAdapter):
     # Qwen builds its M-RoPE positions itself from the grids and the token types.
     forward_policy = ForwardPolicy(pass_position_ids=False, requires_mm_token_type_ids=True)
 
+    def load_image_processor(self, path: str, backend: str, trust_remote_code: bool) -> Any:
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(path, backend=backend, trust_remote_code=trust_remote_code)
+
     def _process(
         self, processor: Any, images: Sequence[Image.Image], *, normalize: bool = True
     ) -> dict[str, torch.Tensor]:
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
         if normalize:
             out = processor(images=list(images), return_tensors="pt")
             return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+        # Exactly the class whose output uint8_patches reproduces (a subclass may lay patches out otherwise).
+        if type(processor) is Qwen2VLImageProcessor:
+            return uint8_patches(processor, images)
         out = processor(images=list(images), return_tensors="pt", do_rescale=False, do_normalize=False)
-        # The torchvision backend keeps uint8; the PIL backend returns the same whole values as float32.
+        # The PIL backend returns the resized whole values as float32.
         return {"pixel_values": out["pixel_values"].to(torch.uint8), "image_grid_thw": out["image_grid_thw"]}
 
 
@@ -138,6 +168,18 @@ class KimiK25Adapter(FamilyAdapter):
     family_name = "kimi_k25"
     grid_key = "grid_thws"
     forward_policy = ForwardPolicy(pass_position_ids=True, requires_mm_token_type_ids=False)
+
+    def load_image_processor(self, path: str, backend: str, trust_remote_code: bool) -> Any:
+        # Our own implementation of the published preprocessing: no remote code runs.
+        preprocessor_file = checkpoint_file(path, "preprocessor_config.json")
+        if preprocessor_file is None:
+            raise ValueError(f"{path} has no preprocessor_config.json")
+        return KimiK25ImageProcessor(self.family.config_from_pretrained(preprocessor_file), backend)
+
+    def backend_of(self, processor: Any) -> str:
+        if not isinstance(processor, KimiK25ImageProcessor):
+            raise ValueError(f"{type(processor).__name__} is not rawmm's Kimi K2.5 image processor")
+        return processor.backend
 
     def _process(
         self, processor: Any, images: Sequence[Image.Image], *, normalize: bool = True

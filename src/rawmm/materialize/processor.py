@@ -4,6 +4,7 @@ transformers 5 ships two image-processor backends (PIL and torchvision) whose pi
 to ~0.03, so the trainer and the engines of one run must load the same one. The backend is always
 chosen explicitly, and the identity (hence the fingerprint refs are checked against) is read back from
 the processor actually loaded — never from what was asked for — so a silent fallback cannot go unseen.
+Each family's adapter (``adapters.py``) loads its processor and says which backend a loaded one runs.
 
 Engine items come as one of two pixel representations (``PIXELS``): ``normalized`` float32 model inputs
 (the trainer, the transformers engine), or the ``uint8`` resized pixels before rescale and normalize, for
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rawmm.contract.families import BACKENDS, Family, checkpoint_file, detect_family
+from rawmm.contract.families import BACKENDS, Family, detect_family
+from rawmm.materialize.adapters import get_adapter
 
 PIXELS: tuple[str, ...] = ("normalized", "uint8")
 
@@ -62,40 +64,12 @@ def qwen_image_processor(config: Any, backend: str = "pil") -> Any:
     )
 
 
-def backend_of(processor: Any) -> str:
-    """The backend a loaded image processor really uses."""
-    from transformers.image_processing_backends import PilBackend, TorchvisionBackend
-
-    from rawmm.materialize.kimi import KimiK25ImageProcessor
-
-    if isinstance(processor, KimiK25ImageProcessor):
-        return processor.backend
-    if isinstance(processor, PilBackend):
-        return "pil"
-    if isinstance(processor, TorchvisionBackend):
-        return "torchvision"
-    raise ValueError(f"{type(processor).__name__} is neither a PIL nor a torchvision image processor")
-
-
-def _load_image_processor(path: str, family: Family[Any], backend: str, trust_remote_code: bool) -> Any:
-    if family.name == "kimi_k25":
-        # Our own implementation of the published preprocessing: no remote code needed.
-        from rawmm.materialize.kimi import KimiK25ImageProcessor
-
-        preprocessor_file = checkpoint_file(path, "preprocessor_config.json")
-        if preprocessor_file is None:
-            raise ValueError(f"{path} has no preprocessor_config.json")
-        return KimiK25ImageProcessor(family.config_from_pretrained(preprocessor_file), backend)
-    from transformers import AutoImageProcessor
-
-    return AutoImageProcessor.from_pretrained(path, backend=backend, trust_remote_code=trust_remote_code)
-
-
 @functools.lru_cache(maxsize=16)
 def _load(path: str, backend: str, trust_remote_code: bool, pixels: str) -> LoadedProcessor:
     family = detect_family(path)
-    processor = _load_image_processor(path, family, backend, trust_remote_code)
-    loaded_backend = backend_of(processor)
+    adapter = get_adapter(family.name)
+    processor = adapter.load_image_processor(path, backend, trust_remote_code)
+    loaded_backend = adapter.backend_of(processor)
     if loaded_backend != backend:
         raise ValueError(
             f"{path}: asked for the {backend} image-processor backend but transformers loaded "

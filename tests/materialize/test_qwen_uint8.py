@@ -1,0 +1,96 @@
+"""The uint8 miss path (our patchify on transformers' resize) gives transformers' torchvision output, bit for bit."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from rawmm.contract import OffloadStore, resolve_preset
+from rawmm.materialize import get_adapter, load_processor, materialize_engine_item, qwen_image_processor
+from rawmm.materialize.qwen_uint8 import patchify, uint8_patches
+
+
+def noise_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 4), dtype=np.uint8)
+    return Image.fromarray(pixels, mode="RGBA").convert(mode)
+
+
+def hf_uint8(processor: object, images: list[Image.Image]) -> dict[str, torch.Tensor]:
+    out = processor(images=images, return_tensors="pt", do_rescale=False, do_normalize=False)  # type: ignore[operator]
+    return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+
+def assert_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        assert got[key].dtype == want[key].dtype and got[key].shape == want[key].shape, key
+        assert torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.parametrize("preset", ["qwen2_vl", "qwen3_vl"])  # patch 14 and 16
+@pytest.mark.parametrize(
+    "size",
+    [
+        (1280, 720),  # the screenshot the miss-path goal is about
+        (37, 29),  # below min_pixels: upscaled
+        (3000, 41),  # a strip
+        (333, 777),  # odd, portrait
+    ],
+)
+def test_uint8_patches_equal_transformers_torchvision_output(preset: str, size: tuple[int, int]) -> None:
+    _, config = resolve_preset(preset)
+    processor = qwen_image_processor(config, "torchvision")
+    image = noise_image(*size, seed=size[0])
+    assert_identical(uint8_patches(processor, [image]), hf_uint8(processor, [image]))
+
+
+def test_a_batch_of_mixed_sizes_and_modes_keeps_transformers_order(tiny_qwen2_vl: Path) -> None:
+    # The tiny checkpoint's low max_pixels makes every image here a downscale; RGBA and L convert to RGB.
+    processor = load_processor(tiny_qwen2_vl, "torchvision").processor
+    images = [noise_image(300, 200, 1), noise_image(120, 90, 2, mode="RGBA"), noise_image(300, 200, 3)]
+    images.append(noise_image(64, 96, 4).convert("L"))
+    assert_identical(uint8_patches(processor, images), hf_uint8(processor, images))
+
+
+def test_temporal_patch_size_one_and_other_merge_sizes() -> None:
+    _, config = resolve_preset("qwen2_vl")
+    for temporal, merge in ((1, 2), (3, 1)):
+        processor = qwen_image_processor(
+            replace(config, temporal_patch_size=temporal, merge_size=merge), "torchvision"
+        )
+        image = noise_image(211, 143, seed=temporal)
+        assert_identical(uint8_patches(processor, [image]), hf_uint8(processor, [image]))
+
+
+def test_patchify_reads_any_strides() -> None:
+    # A channels-last view (what the resize returns) and a contiguous copy give the same rows.
+    hwc = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (56, 84, 3), dtype=np.uint8))
+    rows = patchify(hwc.permute(2, 0, 1), patch=14, merge=2, temporal=2)
+    assert torch.equal(rows, patchify(hwc.permute(2, 0, 1).contiguous(), patch=14, merge=2, temporal=2))
+    assert rows.shape == (4 * 6, 3 * 2 * 14 * 14) and rows.is_contiguous()
+
+
+def test_the_engine_item_on_the_uint8_torchvision_path_is_transformers_output(
+    tiny_qwen2_vl: Path, offload_store: OffloadStore, make_ref
+) -> None:
+    loaded = load_processor(tiny_qwen2_vl, "torchvision", pixels="uint8")
+    image = noise_image(150, 100)
+    ref = make_ref(image, loaded)
+    item = materialize_engine_item(
+        ref,
+        placeholder_length=ref.payload["image_grid_thw"][0][1] * ref.payload["image_grid_thw"][0][2] // 4,
+        processor=loaded,
+        roots=[offload_store.root],
+        max_pixels=10**8,
+    )
+    want = hf_uint8(loaded.processor, [image])
+    assert torch.equal(item.tensors["pixel_values"], want["pixel_values"])
+    assert item.tensors["pixel_values"].dtype == torch.uint8
+    assert torch.equal(item.tensors["image_grid_thw"], want["image_grid_thw"][0])
+    # The trainer's uint8 batches take the same path.
+    assert_identical(get_adapter("qwen_vl")._process(loaded.processor, [image], normalize=False), want)
