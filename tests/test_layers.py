@@ -30,9 +30,11 @@ FORBIDDEN: dict[str, set[str]] = {
     "rawmm.rl.retention": {"rawmm.rl.trainer", "rawmm.rl.orchestrator"},
     # The run config stays light: the operator and every process read it.
     "rawmm.config": {"rawmm.materialize", "rawmm.serving", "rawmm.rl", "rawmm.run", "rawmm.commands"},
+    "rawmm.serve_argv": {"rawmm.materialize", "rawmm.serving", "rawmm.rl", "rawmm.run", "rawmm.commands"},
 }
-# What the operator may import of rawmm: the version, the run config and the value types it parses with.
-OPERATOR_MAY_IMPORT = {"rawmm", "rawmm.config", "rawmm.quantity", "rawmm.duration"}
+# What the operator may import of rawmm: the version, the run config and the value types it parses with,
+# and the engines' `rawmm serve` command line (built from the run config, as `rawmm run` builds it).
+OPERATOR_MAY_IMPORT = {"rawmm", "rawmm.config", "rawmm.quantity", "rawmm.duration", "rawmm.serve_argv"}
 
 
 @functools.cache

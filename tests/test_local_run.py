@@ -24,7 +24,9 @@ from rawmm.cli import main
 from rawmm.config import RunConfig
 from rawmm.run import LocalRun, LocalRunFailed, PlanError, plan_local_run
 from rawmm.run.plan import free_port
+from rawmm.run.processes import rawmm_argv
 from rawmm.run.state import SUMMARY_KEYS
+from rawmm.serve_argv import serve_argv
 
 BASE = {
     "name": "t",
@@ -74,6 +76,20 @@ def test_plan_resolves_paths_ports_and_the_tiny_model(tmp_path):
     ports = {effective.monitoring.orchestrator_metrics_port, effective.monitoring.trainer_metrics_port}
     assert 0 not in ports and len(ports) == 2
     assert not tmp_path.joinpath("run-config.yaml").exists()  # planning writes nothing
+
+
+def test_local_engines_run_the_command_line_the_operator_gives_its_pods(tmp_path):
+    """One builder for both (`rawmm.serve_argv`): a local replica differs from a pod only in its address."""
+    port = free_port()
+    plan = plan_local_run(
+        config(inference__base_port=port, inference__replicas=2, inference__materialize_cache_size="64Mi"),
+        output_dir=tmp_path,
+    )
+    run = LocalRun(plan)
+    assert [engine.argv for engine in run.engines] == [
+        rawmm_argv(*serve_argv(plan.config, host="127.0.0.1", port=p)) for p in (port, port + 1)
+    ]
+    assert "64Mi" in run.engines[0].argv
 
 
 def test_plan_keeps_an_absolute_shared_dir_and_external_engines(tmp_path):

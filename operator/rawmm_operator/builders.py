@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from rawmm.config import RunConfig
 from rawmm.quantity import parse_byte_size
+from rawmm.serve_argv import serve_argv
+from rawmm_operator.names import child_name
 from rawmm_operator.spec import (
     API_GROUP,
     API_VERSION,
@@ -69,33 +71,9 @@ class RunRef:
     queue_name: str | None = None  # the RLRun's Kueue queue label, if any
 
 
-# Child names, in one place so the handlers find what the builders made.
 def claim_name(run: RunRef, spec: RLRunSpec) -> str:
-    return spec.offload.existing_claim or f"{run.name}-offload"
-
-
-def config_map_name(run: RunRef) -> str:
-    return f"{run.name}-config"
-
-
-def weights_secret_name(run: RunRef) -> str:
-    return f"{run.name}-weights"
-
-
-def engine_name(run: RunRef) -> str:
-    return f"{run.name}-engine"
-
-
-def engine_headless_name(run: RunRef) -> str:
-    return f"{run.name}-engine-headless"
-
-
-def orchestrator_name(run: RunRef) -> str:
-    return f"{run.name}-orchestrator"
-
-
-def trainer_name(run: RunRef) -> str:
-    return f"{run.name}-trainer"
+    """The offload volume's claim: the one the spec names, else the run's own."""
+    return spec.offload.existing_claim or child_name(run.name, "offload")
 
 
 def labels(run: RunRef, component: str) -> dict[str, str]:
@@ -183,7 +161,7 @@ COMMON_ENV = [
 
 
 def _weights_token_env(run: RunRef) -> dict[str, Any]:
-    ref = {"name": weights_secret_name(run), "key": WEIGHTS_TOKEN_KEY}
+    ref = {"name": child_name(run.name, "weights"), "key": WEIGHTS_TOKEN_KEY}
     return {"name": WEIGHTS_TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}}
 
 
@@ -201,7 +179,7 @@ def _volumes(run: RunRef, spec: RLRunSpec, role: PodSettings, *, config: bool) -
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": role.shm_size}},
     ]
     if config:
-        volumes.append({"name": "config", "configMap": {"name": config_map_name(run)}})
+        volumes.append({"name": "config", "configMap": {"name": child_name(run.name, "config")}})
     return volumes + list(role.volumes)
 
 
@@ -293,7 +271,7 @@ def build_config_map(run: RunRef, config: RunConfig) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(run, config_map_name(run), "config"),
+        "metadata": _metadata(run, child_name(run.name, "config"), "config"),
         "data": {RUN_CONFIG_FILE: config.to_yaml()},
     }
 
@@ -303,7 +281,7 @@ def build_weights_secret(run: RunRef, token: str) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _metadata(run, weights_secret_name(run), "weights"),
+        "metadata": _metadata(run, child_name(run.name, "weights"), "weights"),
         "type": "Opaque",
         "stringData": {WEIGHTS_TOKEN_KEY: token},
     }
@@ -321,41 +299,17 @@ def _health_probe(*, period: int, failures: int) -> dict[str, Any]:
 STARTUP_PROBE_PERIOD = 10
 
 
-def build_engine_statefulset(run: RunRef, spec: RLRunSpec, *, replicas: int) -> Manifest:
+def build_engine_statefulset(run: RunRef, spec: RLRunSpec, config: RunConfig, *, replicas: int) -> Manifest:
     inference = spec.inference
-    args = [
-        "serve",
-        "--model", spec.model.name,
-        "--engine", inference.engine,
-        "--host", "0.0.0.0",
-        "--port", str(ENGINE_PORT),
-        "--offload-root", str(SHARED_MOUNT / "images"),
-        "--processor-backend", spec.model.processor_backend,
-        # The weights endpoint loads checkpoints from here only (with the run's token).
-        "--weights-root", str(SHARED_MOUNT / "checkpoints"),
-    ]  # fmt: skip
-    if spec.model.trust_remote_code:
-        args.append("--trust-remote-code")
-    # vLLM's own arguments follow `--` (`rawmm serve` hands them to vLLM's server).
-    vllm_args = list(inference.extra_args)
-    if inference.tensor_parallel_size > 1:
-        vllm_args = ["--tensor-parallel-size", str(inference.tensor_parallel_size), *vllm_args]
-    if vllm_args:
-        args += ["--", *vllm_args]
     container = _container(
         inference,
         name="engine",
         image=inference.image or default_image("inference"),
         command=["rawmm"],
-        args=args,
-        env=_env(
-            [
-                {"name": "RAWMM_MATERIALIZE_CACHE_SIZE", "value": inference.materialize_cache_size},
-                _weights_token_env(run),
-                *COMMON_ENV,
-            ],
-            inference,
-        ),
+        # As `rawmm run` starts its local replicas: the model, the shared volume's offload store and
+        # checkpoints (the only place weight updates load from, with the run's token), vLLM's arguments.
+        args=serve_argv(config, host="0.0.0.0", port=ENGINE_PORT),
+        env=_env([_weights_token_env(run), *COMMON_ENV], inference),
         ports=[{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         resources=container_resources(
             inference.resources,
@@ -376,9 +330,9 @@ def build_engine_statefulset(run: RunRef, spec: RLRunSpec, *, replicas: int) -> 
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": _metadata(run, engine_name(run), "engine"),
+        "metadata": _metadata(run, child_name(run.name, "engine"), "engine"),
         "spec": {
-            "serviceName": engine_headless_name(run),
+            "serviceName": child_name(run.name, "engine_headless"),
             "replicas": replicas,
             # Replicas are independent: start and replace them all at once.
             "podManagementPolicy": "Parallel",
@@ -478,7 +432,12 @@ def build_orchestrator_job(run: RunRef, spec: RLRunSpec) -> Manifest:
     )
     pod_spec = _pod_spec(run, spec, orchestrator, [container], config=True)
     return _job(
-        run, spec, name=orchestrator_name(run), component="orchestrator", role=orchestrator, pod_spec=pod_spec
+        run,
+        spec,
+        name=child_name(run.name, "orchestrator"),
+        component="orchestrator",
+        role=orchestrator,
+        pod_spec=pod_spec,
     )
 
 
@@ -498,7 +457,8 @@ def trainer_command(run: RunRef, spec: RLRunSpec) -> list[str]:
         launcher.append("--standalone")
     else:
         # Static rendezvous on index 0 of the indexed Job, addressed through the trainer's headless Service.
-        master = f"{trainer_name(run)}-0.{trainer_name(run)}.{run.namespace}.svc"
+        job = child_name(run.name, "trainer")
+        master = f"{job}-0.{job}.{run.namespace}.svc"
         launcher += [
             f"--nnodes={trainer.nodes}",
             "--node-rank=$(NODE_RANK)",
@@ -538,12 +498,12 @@ def build_trainer_job(run: RunRef, spec: RLRunSpec) -> Manifest:
         ),
         volumeMounts=_mounts(trainer, config=True),
     )
-    extra = {"subdomain": trainer_name(run)} if trainer.nodes > 1 else {}
+    extra = {"subdomain": child_name(run.name, "trainer")} if trainer.nodes > 1 else {}
     pod_spec = _pod_spec(run, spec, trainer, [container], config=True, **extra)
     return _job(
         run,
         spec,
-        name=trainer_name(run),
+        name=child_name(run.name, "trainer"),
         component="trainer",
         role=trainer,
         pod_spec=pod_spec,
@@ -555,7 +515,7 @@ def build_trainer_job(run: RunRef, spec: RLRunSpec) -> Manifest:
 
 def build_pod_monitor(run: RunRef, settings: PodMonitorSettings) -> Manifest:
     """Scrapes every pod of the run: engines on their HTTP port, orchestrator and trainer on `metrics`."""
-    metadata = _metadata(run, run.name, "monitoring")
+    metadata = _metadata(run, child_name(run.name, "pod_monitor"), "monitoring")
     metadata["labels"].update(dict(settings.labels))
     endpoints = [
         {"port": port, "path": "/metrics", "interval": settings.interval} for port in ("http", "metrics")
@@ -594,15 +554,22 @@ def build_children(
     config = run_config(run.name, run.namespace, spec)
     children += [
         build_config_map(run, config),
-        _service(run, engine_headless_name(run), "engine", ENGINE_PORT, "http", headless=True),
-        _service(run, engine_name(run), "engine", ENGINE_PORT, "http", headless=False),
-        build_engine_statefulset(run, spec, replicas=replicas),
+        _service(run, child_name(run.name, "engine_headless"), "engine", ENGINE_PORT, "http", headless=True),
+        _service(run, child_name(run.name, "engine"), "engine", ENGINE_PORT, "http", headless=False),
+        build_engine_statefulset(run, spec, config, replicas=replicas),
     ]
     if stage == "active":
         jobs = [build_orchestrator_job(run, spec)]
         if spec.trainer.nodes > 1:
             children.append(
-                _service(run, trainer_name(run), "trainer", TORCHRUN_PORT, "rendezvous", headless=True)
+                _service(
+                    run,
+                    child_name(run.name, "trainer"),
+                    "trainer",
+                    TORCHRUN_PORT,
+                    "rendezvous",
+                    headless=True,
+                )
             )
         jobs.append(build_trainer_job(run, spec))
         if spec.offload.retention.enabled:

@@ -11,13 +11,10 @@ phase follows the orchestrator and the trainer only.
 from __future__ import annotations
 
 from rawmm_operator import builders
+from rawmm_operator.names import child_name
 from rawmm_operator.spec import RUN_CONFIG_DIR, RUN_CONFIG_FILE, RLRunSpec, default_image
 
 COMPONENT = "offload-gc"
-
-
-def gc_job_name(run: builders.RunRef) -> str:
-    return f"{run.name}-offload-gc"
 
 
 def build_gc_job(run: builders.RunRef, spec: RLRunSpec) -> builders.Manifest:
@@ -35,5 +32,10 @@ def build_gc_job(run: builders.RunRef, spec: RLRunSpec) -> builders.Manifest:
     )
     pod_spec = builders._pod_spec(run, spec, retention, [container], config=True)
     return builders._job(
-        run, spec, name=gc_job_name(run), component=COMPONENT, role=retention, pod_spec=pod_spec
+        run,
+        spec,
+        name=child_name(run.name, "offload_gc"),
+        component=COMPONENT,
+        role=retention,
+        pod_spec=pod_spec,
     )

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from rawmm_operator import builders
 from rawmm_operator.builders import RUN_LABEL, RUN_SUSPEND, TEMPLATE_HASH, RunRef
 from rawmm_operator.kube import ApiError, KubeApi, apply, merge_patch
+from rawmm_operator.names import child_name
 from rawmm_operator.progress import ProgressReader
 from rawmm_operator.spec import KIND, InvalidSpec, RLRunSpec, parse_spec
 from rawmm_operator.status import (
@@ -198,7 +199,7 @@ class Reconciler:
             return
         try:
             self.api.create(builders.build_weights_secret(run, secrets.token_urlsafe(32)))
-            outcome.actions[f"Secret/{builders.weights_secret_name(run)}"] = "created"
+            outcome.actions[f"Secret/{child_name(run.name, 'weights')}"] = "created"
         except ApiError as exc:
             if exc.status != 409:  # 409: it exists already
                 raise
@@ -216,9 +217,9 @@ class Reconciler:
         claim = builders.claim_name(run, spec)
         roles = {
             "claim": ("PersistentVolumeClaim", claim),
-            "engines": ("StatefulSet", builders.engine_name(run)),
-            "orchestrator": ("Job", builders.orchestrator_name(run)),
-            "trainer": ("Job", builders.trainer_name(run)),
+            "engines": ("StatefulSet", child_name(run.name, "engine")),
+            "orchestrator": ("Job", child_name(run.name, "orchestrator")),
+            "trainer": ("Job", child_name(run.name, "trainer")),
         }
         live: dict[tuple[str, str], dict[str, Any] | None] = {
             (kind, child): self.api.get(kind, run.namespace, child) for kind, child in roles.values()
@@ -341,7 +342,7 @@ class Reconciler:
         Jobs (their logs); the weights Secret goes (by name: the operator may not list Secrets) only with an
         expired run."""
         if stage == "expired" and (run.namespace, run.name, run.uid) not in self._expired:
-            self.api.delete("Secret", run.namespace, builders.weights_secret_name(run))
+            self.api.delete("Secret", run.namespace, child_name(run.name, "weights"))
             self._secrets.discard((run.namespace, run.name, run.uid))
             self._expired.add((run.namespace, run.name, run.uid))
         for kind in PRUNED_KINDS:

@@ -36,6 +36,7 @@ from rawmm.config import (
     format_validation_error,
 )
 from rawmm.quantity import BYTE_SIZE_PATTERN, parse_byte_size
+from rawmm_operator.names import child_name, engine_pod
 
 API_GROUP = "rawmm.dev"
 API_VERSION = "v1alpha1"
@@ -48,8 +49,8 @@ SHARED_MOUNT = PurePosixPath("/shared")
 RUN_CONFIG_DIR = PurePosixPath("/etc/rawmm")
 RUN_CONFIG_FILE = "run.yaml"
 ENGINE_PORT = 8000
-# Children get names like `<run>-engine-headless` (a DNS-1035 label, 63 characters at most) and pods
-# `<run>-trainer-<index>-<suffix>`; the run name leaves room for those.
+# Children get names like `<run>-engine-headless` (`names.py`; a DNS-1035 label, 63 characters at most)
+# and pods `<run>-trainer-<index>-<suffix>`; the run name leaves room for those.
 MAX_RUN_NAME = 40
 RUN_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 _RUN_NAME = re.compile(RUN_NAME_PATTERN)
@@ -425,13 +426,21 @@ def _fields_of(config_cls: type[BaseModel], section: BaseModel) -> dict[str, Any
 
 
 def engine_urls(run_name: str, namespace: str, replicas: int) -> list[str]:
-    """Stable per-replica base URLs: StatefulSet pod `<run>-engine-<i>` under the headless Service."""
-    service = f"{run_name}-engine-headless"
-    return [f"http://{run_name}-engine-{i}.{service}.{namespace}.svc:{ENGINE_PORT}" for i in range(replicas)]
+    """Stable per-replica base URLs: the StatefulSet's pods under the headless Service."""
+    service = child_name(run_name, "engine_headless")
+    return [
+        f"http://{engine_pod(run_name, i)}.{service}.{namespace}.svc:{ENGINE_PORT}" for i in range(replicas)
+    ]
+
+
+def vllm_args(inference: InferenceSpec) -> list[str]:
+    """vLLM's own server arguments for every replica: the tensor parallelism, then `extraArgs`."""
+    parallel = inference.tensor_parallel_size
+    return [*(["--tensor-parallel-size", str(parallel)] if parallel > 1 else []), *inference.extra_args]
 
 
 def run_config(run_name: str, namespace: str, spec: RLRunSpec) -> RunConfig:
-    """The `RunConfig` the run's pods read from its ConfigMap."""
+    """The `RunConfig` the run's pods read from its ConfigMap (and the engines' command line derives from)."""
     return RunConfig(
         name=run_name,
         model=ModelConfig(path=spec.model.name, **_fields_of(ModelSettings, spec.model)),
@@ -439,6 +448,7 @@ def run_config(run_name: str, namespace: str, spec: RLRunSpec) -> RunConfig:
         inference=InferenceConfig(
             **_fields_of(InferenceSettings, spec.inference),
             urls=engine_urls(run_name, namespace, spec.inference.replicas),
+            vllm_args=vllm_args(spec.inference),
         ),
         orchestrator=OrchestratorConfig(**_fields_of(OrchestratorConfig, spec.orchestrator)),
         trainer=TrainerConfig(**_fields_of(TrainerConfig, spec.trainer)),

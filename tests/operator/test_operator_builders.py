@@ -9,6 +9,7 @@ from operator_samples import CPU_ONLY, EXISTING_CLAIM, ISSUE_EXAMPLE, MULTI_GPU,
 
 from rawmm.config import RunConfig
 from rawmm.quantity import parse_byte_size
+from rawmm.serve_argv import serve_argv
 from rawmm_operator.builders import (
     RUN_LABEL,
     TEMPLATE_HASH,
@@ -18,7 +19,7 @@ from rawmm_operator.builders import (
     build_weights_secret,
     container_resources,
 )
-from rawmm_operator.spec import Resources, default_image, parse_spec
+from rawmm_operator.spec import ENGINE_PORT, Resources, default_image, parse_spec, run_config
 
 RUN = RunRef(name="exp", namespace="ml", uid="5b1f5d0e-6a37-4f8e-8a0d-4bd0c3b3b5a1")
 KUBERNETES_VERSIONS = ["1.31", kubernetes_validate.latest_version()]
@@ -117,8 +118,7 @@ def test_engine_statefulset_serves_raw_refs_with_the_cache_budget() -> None:
     assert args[args.index("--offload-root") + 1] == "/shared/images"
     assert args[args.index("--processor-backend") + 1] == "torchvision"
     assert "--" not in args  # no vLLM arguments to pass on
-    env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["RAWMM_MATERIALIZE_CACHE_SIZE"] == "4Gi"
+    assert args[args.index("--materialize-cache-size") + 1] == "4Gi"
     resources = container["resources"]
     # 32Gi asked for the engine itself + the 4Gi cache budget; no memory limit, as the user set none
     assert parse_byte_size(resources["requests"]["memory"]) == (32 + 4) * 2**30
@@ -130,6 +130,18 @@ def test_engine_statefulset_serves_raw_refs_with_the_cache_budget() -> None:
     assert headless["spec"]["clusterIP"] == "None"
     assert headless["spec"]["selector"] == engines["spec"]["selector"]["matchLabels"]
     assert pod_spec(engines).get("nodeSelector") is None
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_engines_run_the_command_line_rawmm_run_gives_its_replicas(name: str) -> None:
+    """One builder for both: the pods' `rawmm serve` is `serve_argv` of the run config in the ConfigMap,
+    only the address differs (`rawmm run` listens on loopback)."""
+    built = children(SPECS[name])
+    (engine,) = pod_spec(built[("StatefulSet", "exp-engine")])["containers"]
+    config = RunConfig.from_mapping(yaml.safe_load(built[("ConfigMap", "exp-config")]["data"]["run.yaml"]))
+    assert config == run_config(RUN.name, RUN.namespace, parse_spec(RUN.name, SPECS[name]))
+    assert engine["args"] == serve_argv(config, host="0.0.0.0", port=ENGINE_PORT)
+    assert "RAWMM_MATERIALIZE_CACHE_SIZE" not in {e["name"] for e in engine["env"]}  # a flag, as locally
 
 
 def test_urls_in_the_config_map_name_the_statefulset_pods() -> None:

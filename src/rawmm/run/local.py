@@ -31,6 +31,7 @@ from rawmm.run.processes import ChildProcess, Watchdog, rawmm_argv, stop_all
 from rawmm.run.progress import render, step_line
 from rawmm.run.scrape import health_version, scrape
 from rawmm.run.state import RunState
+from rawmm.serve_argv import serve_argv
 from rawmm.weights_token import WEIGHTS_TOKEN_ENV, new_token
 
 log = logging.getLogger(__name__)
@@ -60,23 +61,11 @@ class LocalRun:
         self.engines = [
             ChildProcess(
                 f"engine-{i}",
-                rawmm_argv(
-                    "serve",
-                    "--model", config.model.path,
-                    "--engine", config.inference.engine,
-                    "--host", "127.0.0.1",
-                    "--port", str(port),
-                    "--offload-root", str(config.offload_dir),
-                    "--materialize-cache-size", config.inference.materialize_cache_size,
-                    "--processor-backend", config.model.processor_backend,
-                    "--weights-root", str(config.checkpoints_dir),
-                    *(["--trust-remote-code"] if config.model.trust_remote_code else []),
-                    *(["--", *config.inference.vllm_args] if config.inference.vllm_args else []),
-                ),
+                rawmm_argv(*serve_argv(config, host="127.0.0.1", port=port)),
                 plan.logs_dir / f"engine-{i}.log",
             )
             for i, port in enumerate(plan.engine_ports)
-        ]  # fmt: skip
+        ]
         self.orchestrator = ChildProcess(
             "orchestrator",
             rawmm_argv(
