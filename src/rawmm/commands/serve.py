@@ -201,7 +201,11 @@ def _serve_vllm(args: argparse.Namespace, images: RequestImages) -> int:
         raise CliError(f"--engine vllm needs vLLM 0.32 (pip install 'rawmm[inference]'): {exc}") from None
     try:
         vllm_args = parse_vllm_args(
-            model=args.model, host=args.host, port=args.port, vllm_args=args.vllm_args
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            vllm_args=args.vllm_args,
+            mm_cache_bytes=images.cache.max_bytes,
         )
     except VllmArgsError as exc:
         raise CliError(str(exc)) from None

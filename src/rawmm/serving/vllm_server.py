@@ -5,6 +5,10 @@ us: the model/host/port, ``--logprobs-mode processed_logprobs`` (responses repor
 the distribution each token was sampled from, which the trainer's importance ratios need) and vLLM's
 default ``mm_device_do_normalize`` (what our pixel representation follows). A user argument that would
 change one of them is refused before anything starts, never silently overridden.
+
+vLLM's multimodal cache defaults to the materialize cache's budget: its engine core keeps a second copy of
+every item it has received (its API-side sender cache keeps only their sizes), so by default a server
+holds at most twice the budget in finished items. ``--mm-processor-cache-gb`` sets it otherwise.
 """
 
 from __future__ import annotations
@@ -47,17 +51,22 @@ def _parser() -> Any:
     return make_arg_parser(FlexibleArgumentParser(prog="rawmm serve --engine vllm", exit_on_error=False))
 
 
-def parse_vllm_args(*, model: str, host: str, port: int, vllm_args: Sequence[str]) -> argparse.Namespace:
-    """vLLM's server arguments: ours plus the user's; ``VllmArgsError`` if the user's touch a reserved one."""
+def parse_vllm_args(
+    *, model: str, host: str, port: int, vllm_args: Sequence[str], mm_cache_bytes: int | None = None
+) -> argparse.Namespace:
+    """vLLM's server arguments: ours plus the user's; ``VllmArgsError`` if the user's touch a reserved one.
+
+    ``mm_cache_bytes`` (the materialize cache's budget) sizes vLLM's multimodal cache unless the user does.
+    """
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
 
     parser = _parser()
     unset = object()
     try:
         # Reserved dests pre-set to a sentinel: argparse leaves them alone unless an argument sets them.
+        preset = [*(dest for dest in RESERVED if dest != "model"), "mm_processor_cache_gb"]
         user = parser.parse_args(
-            ["--model", model, *vllm_args],
-            namespace=argparse.Namespace(**{dest: unset for dest in RESERVED if dest != "model"}),
+            ["--model", model, *vllm_args], namespace=argparse.Namespace(**dict.fromkeys(preset, unset))
         )
     except (argparse.ArgumentError, SystemExit) as exc:
         raise VllmArgsError(f"vLLM refused the arguments {list(vllm_args)}: {exc}") from None
@@ -71,8 +80,12 @@ def parse_vllm_args(*, model: str, host: str, port: int, vllm_args: Sequence[str
                 f"--{dest.replace('_', '-')} cannot be passed to vLLM: {RESERVED[dest]}" for dest in touched
             )
         )
+    defaults = []
+    if mm_cache_bytes is not None and user.mm_processor_cache_gb is unset:
+        defaults = ["--mm-processor-cache-gb", str(mm_cache_bytes / 2**30)]
     args = parser.parse_args(
-        ["--model", model, "--host", host, "--port", str(port), "--logprobs-mode", LOGPROBS_MODE, *vllm_args]
+        ["--model", model, "--host", host, "--port", str(port), "--logprobs-mode", LOGPROBS_MODE, *defaults]
+        + list(vllm_args)
     )
     try:
         validate_parsed_serve_args(args)
