@@ -117,7 +117,9 @@ def replay_trainer(config_path: Path) -> dict:
         started = time.perf_counter()
         tokens = 0
         for m in materialized:
-            logprobs = forward_logprobs(model, m.batch, m.mm_kwargs(), materializer.forward_policy)
+            logprobs = forward_logprobs(
+                model, m.batch, m.mm_kwargs(), materializer.forward_policy, normalizer=materializer.normalizer
+            )
             mask = torch.tensor(m.batch.loss_mask)
             loss = policy_gradient_loss(
                 logprobs,

@@ -8,7 +8,12 @@ with images. After the last step each rank reports the bytes it holds of
 Step time is the median of the steps after the first, without the checkpoint write (reported apart).
 It runs on CUDA where there is a GPU per rank, on CPU (gloo) otherwise.
 
-    .venv/bin/python bench/trainer_memory.py [--steps 4] [--width 4] [--layers 4]
+Then, in one process, the image inputs one step holds: multi-turn episodes of 1280x720 screenshots at the
+real Qwen2-VL pixel budget (every turn's sample resends the earlier screenshots), packed and materialized by
+the trainer's materializer, which holds uint8 patches and normalizes on use; beside each uint8 figure the
+float32 bytes the same inputs take normalized (what the trainer held before, bit-identical pixels).
+
+    .venv/bin/python bench/trainer_memory.py [--steps 4] [--width 4] [--layers 4] [--images-only]
 """
 
 from __future__ import annotations
@@ -151,6 +156,104 @@ def mib(n: float) -> str:
     return f"{n / 2**20:8.2f} MiB"
 
 
+def episode_samples(work: Path, episodes: int, turns: int) -> tuple[Path, list, Path]:
+    """The model, one sample per turn of every episode (turn t carries screenshots 0..t) and the store root."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from screens import screenshot_png
+    from transformers import AutoTokenizer
+
+    from rawmm.contract import OffloadStore, render_chat
+    from rawmm.materialize import load_processor
+    from rawmm.rl.samples import Sample, build_mm_refs
+    from rawmm.tiny import build_tiny_model
+
+    # The preset's own max_pixels, so a 1280x720 screenshot keeps its real size (1288x728 after resize).
+    model = build_tiny_model("qwen2_vl", work / "fullres", max_pixels=12845056)
+    loaded = load_processor(model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    store = OffloadStore(work / "offload")
+    completion = tokenizer.encode(" click")
+    samples = []
+    for episode in range(episodes):
+        uris = [store.put(screenshot_png(episode * turns + t)).uri for t in range(turns)]
+        for turn in range(turns):
+            parts = [{"type": "image_url", "image_url": {"url": uri}} for uri in uris[: turn + 1]]
+            messages = [{"role": "user", "content": [*parts, {"type": "text", "text": "act"}]}]
+            prompt = render_chat(
+                messages, tokenizer=tokenizer, family=loaded.family, config=loaded.config, store=store
+            )
+            n, c = len(prompt.token_ids), len(completion)
+            samples.append(
+                Sample(
+                    token_ids=[*prompt.token_ids, *completion],
+                    mm_token_type_ids=[*prompt.mm_token_type_ids, *[0] * c],
+                    loss_mask=[False] * n + [True] * c,
+                    advantages=[0.0] * n + [1.0] * c,
+                    logprobs=[0.0] * n + [-1.0] * c,
+                    mm_refs=build_mm_refs(
+                        [i.descriptor for i in prompt.images],
+                        [i.mm_hash for i in prompt.images],
+                        [{"offset": i.offset, "length": i.length} for i in prompt.images],
+                    ),
+                    reward=1.0,
+                    sample_id=f"e{episode}-t{turn}",
+                )
+            )
+    return model, samples, store.root
+
+
+def image_memory(work: Path, episodes: int, turns: int, micro_batch_tokens: int) -> None:
+    """Print the image bytes held per micro-batch and per step, float32 vs uint8, with their ratios."""
+    import torch
+
+    from rawmm.materialize import load_processor
+    from rawmm.rl.materializer import RawImageMaterializer
+    from rawmm.rl.packing import pack_samples
+
+    model, samples, root = episode_samples(work, episodes, turns)
+    materializer = RawImageMaterializer(load_processor(model), roots=[root], missing_image_policy="error")
+    materializer.begin_step(1)
+    started = time.perf_counter()
+    micro_batches = [materializer.materialize(mb) for mb in pack_samples(samples, micro_batch_tokens)]
+    materialize_s = time.perf_counter() - started
+    stats = materializer.stats
+
+    def nbytes(kwargs: dict[str, torch.Tensor]) -> int:
+        return sum(t.nbytes for t in kwargs.values())
+
+    rows, normalize_s = [], 0.0
+    for m in micro_batches:  # what one forward pass is given: uint8 now, float32 normalized before
+        raw = m.mm_kwargs()
+        started = time.perf_counter()
+        normalized = materializer.normalizer.inputs(raw)
+        normalize_s += time.perf_counter() - started
+        rows.append((len(m.images), nbytes(raw), nbytes(normalized)))
+    # The step holds each unique image once (repeats share it) from materialization to the last forward.
+    unique = {id(inputs["pixel_values"]): inputs for m in micro_batches for inputs in m.images}
+    step_uint8 = sum(nbytes(i) for i in unique.values())
+    step_float32 = sum(nbytes(materializer.normalizer.inputs(i)) for i in unique.values())
+    assert step_uint8 == stats.held_bytes and len(unique) == stats.materialized == episodes * turns
+
+    print(
+        f"\nimage inputs of one step: {episodes} episodes x {turns} turns of 1280x720 screenshots, "
+        f"{len(samples)} samples in {len(micro_batches)} micro-batches of <= {micro_batch_tokens} tokens"
+    )
+    print(
+        f"images referenced {stats.images}, materialized {stats.materialized} (= unique images), "
+        f"materialize {materialize_s:.2f}s, normalize on use {normalize_s * 1e3:.0f} ms for the step"
+    )
+    print(f"{'':16} {'images':>6} {'float32':>12} {'uint8':>12} {'ratio':>6}")
+    for index, (images, uint8, float32) in enumerate(rows):
+        print(f"micro-batch {index:<4} {images:>6} {mib(float32)} {mib(uint8)} {float32 / uint8:6.2f}")
+    largest = max(rows, key=lambda r: r[2])
+    print(
+        f"{'largest mb':16} {largest[0]:>6} {mib(largest[2])} {mib(largest[1])} {largest[2] / largest[1]:6.2f}"
+    )
+    print(
+        f"{'step (held)':16} {len(unique):>6} {mib(step_float32)} {mib(step_uint8)} {step_float32 / step_uint8:6.2f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -158,10 +261,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--width", type=int, default=4, help="multiplier of the tiny model's widths")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--episodes", type=int, default=2, help="screenshot episodes of the image step")
+    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--micro-batch-tokens", type=int, default=16384)
+    parser.add_argument("--images-only", action="store_true", help="only the image-inputs section")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.steps)
+    if args.images_only:
+        with tempfile.TemporaryDirectory(prefix="rawmm-trainer-memory-") as tmp:
+            return image_memory(Path(tmp), args.episodes, args.turns, args.micro_batch_tokens)
 
     with tempfile.TemporaryDirectory(prefix="rawmm-trainer-memory-") as tmp:
         work = Path(tmp)
@@ -202,6 +312,8 @@ def main() -> None:
     print(
         f"loss per step: ddp {[round(x, 6) for x in ddp[0]['loss']]}, fsdp {[round(x, 6) for x in fsdp[0]['loss']]}"
     )
+    with tempfile.TemporaryDirectory(prefix="rawmm-trainer-memory-") as tmp:
+        image_memory(Path(tmp), args.episodes, args.turns, args.micro_batch_tokens)
 
 
 if __name__ == "__main__":

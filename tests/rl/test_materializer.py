@@ -1,4 +1,5 @@
-"""RawImageMaterializer: per-step dedupe, packed image order, and the missing-image policies."""
+"""RawImageMaterializer: per-step dedupe, packed image order, the missing-image policies, and its uint8
+pixels normalized on use exactly as the processor normalizes them."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer
 
-from rawmm.contract import InvalidImageRef, render_chat
-from rawmm.materialize import load_processor
+from rawmm.contract import InvalidImageRef, RawImageDescriptor, render_chat
+from rawmm.materialize import get_adapter, load_processor
+from rawmm.materialize.normalize import PixelNormalizer
 from rawmm.rl.forward import forward_logprobs, sample_starts
-from rawmm.rl.materializer import MissingImageError, RawImageMaterializer
+from rawmm.rl.materializer import MaterializedMicroBatch, MissingImageError, RawImageMaterializer
 from rawmm.rl.packing import PackedMicroBatch, concat_samples
 from rawmm.rl.samples import Sample, build_mm_refs
 from rawmm.rl.trainer.loss import policy_gradient_loss
@@ -70,6 +72,10 @@ class SampleMaker:
             self.loaded, roots=[self.store.root], missing_image_policy=policy, dedupe=dedupe
         )
 
+    def model_inputs(self, out: MaterializedMicroBatch) -> dict[str, torch.Tensor]:
+        """What the forward pass gives the model: the held uint8 pixels, normalized."""
+        return PixelNormalizer(self.loaded).inputs(out.mm_kwargs())
+
     def reference_inputs(self, images: list[Image.Image]) -> dict[str, torch.Tensor]:
         """What the processor itself makes of `images`, in order."""
         out = self.loaded.processor(images=images, return_tensors="pt")
@@ -92,9 +98,12 @@ def test_kwargs_follow_packed_image_order(make):
     batch = concat_samples([make([prompt_image, zoom], "a"), make([], "text"), make([other], "b")])
     got = make.materializer().materialize(batch)
     want = make.reference_inputs([prompt_image, zoom, other])
-    assert got.mm_kwargs().keys() == want.keys()
-    for key in want:
-        torch.testing.assert_close(got.mm_kwargs()[key], want[key], rtol=0, atol=0)
+    assert got.mm_kwargs()["pixel_values"].dtype == torch.uint8  # held as uint8: a quarter of float32
+    assert got.mm_kwargs()["pixel_values"].nbytes * 4 == want["pixel_values"].nbytes
+    normalized = make.model_inputs(got)
+    assert normalized.keys() == want.keys()
+    for key in want:  # bit-exact: the table is built by the processor's own rescale/normalize ops
+        torch.testing.assert_close(normalized[key], want[key], rtol=0, atol=0)
     assert got.missing == () and got.batch is batch
 
 
@@ -112,8 +121,13 @@ def test_dedupe_materializes_each_image_once_per_step(make):
     outputs = [materializer.materialize(first), materializer.materialize(second)]
     assert (materializer.stats.images, materializer.stats.materialized) == (7, 3)
     want = make.reference_inputs([shared, shared, turn2, shared, turn2, turn3, shared])
-    got = torch.cat([o.mm_kwargs()["pixel_values"] for o in outputs])
+    got = torch.cat([make.model_inputs(o)["pixel_values"] for o in outputs])
     torch.testing.assert_close(got, want["pixel_values"], rtol=0, atol=0)
+    # The step holds each unique image once, as uint8.
+    unique = make.reference_inputs([shared, turn2, turn3])
+    assert (
+        materializer.stats.held_bytes == unique["pixel_values"].nbytes // 4 + unique["image_grid_thw"].nbytes
+    )
 
     materializer.begin_step(2)  # dedupe is per step: a new step materializes again
     materializer.materialize(first)
@@ -166,7 +180,9 @@ def test_zero_loss_zeroes_only_the_affected_sample(make):
 def loss_and_grads(model, materializer, batch: PackedMicroBatch, step_tokens: int):
     model.zero_grad(set_to_none=True)
     out = materializer.materialize(batch)
-    new = forward_logprobs(model, out.batch, out.mm_kwargs(), materializer.forward_policy)
+    new = forward_logprobs(
+        model, out.batch, out.mm_kwargs(), materializer.forward_policy, normalizer=materializer.normalizer
+    )
     mask = torch.tensor(out.batch.loss_mask) & ~sample_starts(out.batch.seq_lens)
     parts = policy_gradient_loss(
         new,
@@ -204,6 +220,58 @@ def test_zero_loss_leaves_neighbours_loss_and_gradients_unchanged(make, tiny_qwe
     assert packed_grads.keys() == alone_grads.keys()
     for name, grad in packed_grads.items():
         torch.testing.assert_close(grad, alone_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_qwen2_vl):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(tiny_qwen2_vl, dtype=torch.float32).eval()
+
+
+def old_path_inputs(make: SampleMaker, batch: PackedMicroBatch, images: list[Image.Image]) -> dict:
+    """The normalized float32 kwargs the trainer used to hold: the adapter's trainer path."""
+    descriptors = [RawImageDescriptor.from_dict(r.descriptor) for r in batch.images]
+    return get_adapter("qwen_vl").materialize_for_trainer(images, descriptors, make.loaded).kwargs
+
+
+def test_trainer_logprobs_on_uint8_pixels_equal_the_normalized_path(make, tiny_model):
+    first, second = random_image(90, 60, 0), random_image(64, 100, 1)
+    batch = concat_samples([make([first], "a"), make([first, second], "b")])
+    materializer = make.materializer()
+    out = materializer.materialize(batch)
+    with torch.no_grad():
+        want = forward_logprobs(
+            tiny_model,
+            batch,
+            old_path_inputs(make, batch, [first, first, second]),
+            materializer.forward_policy,
+        )
+        got = forward_logprobs(
+            tiny_model,
+            out.batch,
+            out.mm_kwargs(),
+            materializer.forward_policy,
+            normalizer=materializer.normalizer,
+        )
+    assert torch.equal(got, want)  # bit-exact pixels, so bit-exact logprobs
+
+
+def test_pixels_are_normalized_exactly_once(make, tiny_model):
+    image = random_image(90, 60, 0)
+    batch = concat_samples([make([image], "a")])
+    materializer = make.materializer()
+    out = materializer.materialize(batch)
+    with pytest.raises(ValueError, match="need the materializer's normalizer"):  # skipped
+        forward_logprobs(tiny_model, out.batch, out.mm_kwargs(), materializer.forward_policy)
+    with pytest.raises(TypeError, match="normalized twice"):
+        forward_logprobs(
+            tiny_model,
+            batch,
+            old_path_inputs(make, batch, [image]),
+            materializer.forward_policy,
+            normalizer=materializer.normalizer,
+        )
 
 
 def test_misconfiguration_raises_even_under_zero_loss(make, tmp_path):

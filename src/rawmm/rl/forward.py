@@ -12,6 +12,10 @@ The family's `ForwardPolicy` decides which positions the model gets:
   model's own `get_rope_index` computes each sample's 3D M-RoPE positions; we stack the per-sample
   text positions on top (`[4, 1, N]`, the layout transformers' Qwen-VL text models accept for
   packed input) so the mask still sees the sample boundaries.
+
+Image pixels arrive as uint8 (the materializer's representation) and are normalized here, after the
+move to the model's device, by the materializer's `PixelNormalizer`: a quarter of the bytes cross to
+the device, and the float32 pixels exist only for the forward that uses them.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from rawmm.rl.packing import PackedMicroBatch
 
 if TYPE_CHECKING:
     from rawmm.materialize import ForwardPolicy
+    from rawmm.materialize.normalize import PixelNormalizer
 
 
 def sample_positions(seq_lens: Sequence[int]) -> torch.Tensor:
@@ -90,11 +95,13 @@ def forward_logprobs(
     mm_kwargs: Mapping[str, Any],
     policy: ForwardPolicy,
     *,
+    normalizer: PixelNormalizer | None = None,
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """Per-token logprobs `[N]` of `batch.token_ids` under `model`, packed but per-sample exact.
 
-    `mm_kwargs` are the materialized image tensors of the micro-batch (empty for text only);
+    `mm_kwargs` are the materialized image tensors of the micro-batch (empty for text only): uint8
+    pixels with the `normalizer` that makes them model inputs, or already normalized pixels without;
     `temperature` scales the logits the way the engine did when it sampled.
     """
     device = next(model.parameters()).device
@@ -105,6 +112,12 @@ def forward_logprobs(
     else:
         position_ids = mrope_position_ids(model, input_ids, mm_token_type_ids, batch.seq_lens, mm_kwargs)
     inputs: dict[str, Any] = {k: v.to(device) for k, v in mm_kwargs.items()}
+    pixels = inputs.get("pixel_values")
+    if normalizer is not None:
+        inputs = normalizer.inputs(inputs)
+    elif pixels is not None and pixels.dtype == torch.uint8:
+        # The vision tower would cast them to float and run on 0..255: wrong, and silently so.
+        raise ValueError("uint8 pixel_values need the materializer's normalizer")
     if policy.requires_mm_token_type_ids:
         inputs["mm_token_type_ids"] = mm_token_type_ids[None].to(device)
     logits = model(

@@ -5,6 +5,10 @@ and processed by the family adapter with the run's processor identity — the sa
 the engines use, so the trainer trains on the pixels the engines sampled from. Within one step an
 image is materialized once however many samples carry it (a group's prompt image, earlier turns).
 
+Images are held as uint8 patches (the resized pixels before rescale and normalize: a quarter of
+float32) for the whole step; `normalizer` turns them into the processor's exact normalized pixels
+where they are used, on the trainer's device, right before the forward pass (`forward_logprobs`).
+
 A missing or unreadable image follows `missing_image_policy`:
 - `error`: raise `MissingImageError` naming the step, the samples and the URIs;
 - `zero_loss`: the image gets stand-in pixels of the right shape (so the packed forward still lines
@@ -34,6 +38,7 @@ from rawmm.materialize import (
     get_adapter,
     read_ref_image,
 )
+from rawmm.materialize.normalize import PixelNormalizer, uint8_trainer_inputs
 from rawmm.rl.packing import PackedMicroBatch
 from rawmm.rl.samples import MMImageRef
 
@@ -59,9 +64,9 @@ class MaterializedMicroBatch:
     """A micro-batch ready for the forward pass.
 
     `batch` is the input micro-batch with the loss mask and advantages of every sample in `missing`
-    zeroed. `images` are each image's inputs in packed image order; with dedupe, repeats share the
-    step's one copy, so a step holds each unique image once until `mm_kwargs()` assembles the model
-    inputs of this micro-batch right before its forward pass.
+    zeroed. `images` are each image's inputs (uint8 pixels) in packed image order; with dedupe, repeats
+    share the step's one copy, so a step holds each unique image once until `mm_kwargs()` assembles the
+    (still uint8) image inputs of this micro-batch right before its forward pass.
     """
 
     batch: PackedMicroBatch
@@ -83,6 +88,7 @@ class StepStats:
     materialized: int = 0  # images actually read and processed (the rest were deduplicated)
     missing: int = 0
     seconds: float = 0.0
+    held_bytes: int = 0  # bytes of the image inputs the step holds (each materialized image once)
 
 
 def _dedupe_key(image: MMImageRef) -> str:
@@ -114,6 +120,7 @@ class RawImageMaterializer:
         self.dedupe = dedupe
         self.step = 0
         self.stats = StepStats()
+        self.normalizer = PixelNormalizer(processor)
         self._done: dict[str, dict[str, torch.Tensor]] = {}
 
     @property
@@ -162,9 +169,10 @@ class RawImageMaterializer:
         pixels = read_ref_image(
             descriptor, mm_hash=image.mm_hash, roots=self.roots, max_pixels=self.max_pixels
         )
-        inputs = self.adapter.materialize_for_trainer([pixels], [descriptor], self.processor).kwargs
+        inputs = uint8_trainer_inputs([pixels], [descriptor], self.processor).kwargs
         metrics.MATERIALIZE_SECONDS.labels(side="trainer").observe(time.perf_counter() - started)
         self.stats.materialized += 1
+        self.stats.held_bytes += sum(t.nbytes for t in inputs.values())
         if self.dedupe:
             self._done[key] = inputs
         return inputs
@@ -175,7 +183,7 @@ class RawImageMaterializer:
         _, grid_h, grid_w = self.processor.family.grid_from_payload(descriptor.payload)
         patch = self.processor.config.patch_size
         stand_in = Image.new("RGB", (grid_w * patch, grid_h * patch))
-        return self.adapter.materialize_for_trainer([stand_in], [descriptor], self.processor).kwargs
+        return uint8_trainer_inputs([stand_in], [descriptor], self.processor).kwargs
 
     def _handle_missing(self, missing: list[MissingImage]) -> None:
         if self.policy == "error":

@@ -76,6 +76,12 @@ def test_a_filler_leaves_the_real_samples_logprobs_and_loss_alone(rollouts, step
 
     def logprobs(m):  # noqa: ANN001, ANN202
         with torch.no_grad():
-            return forward_logprobs(rollouts.model, m.batch, m.mm_kwargs(), materializer.forward_policy)
+            return forward_logprobs(
+                rollouts.model,
+                m.batch,
+                m.mm_kwargs(),
+                materializer.forward_policy,
+                normalizer=materializer.normalizer,
+            )
 
     torch.testing.assert_close(logprobs(padded)[:n], logprobs(real), rtol=0, atol=1e-5)

@@ -173,7 +173,12 @@ class Trainer:
     def _backward(self, m: MaterializedMicroBatch, step_tokens: int) -> torch.Tensor:
         device = self.dist.device
         new_logprobs = forward_logprobs(
-            self.model, m.batch, m.mm_kwargs(), self.materializer.forward_policy, temperature=self.temperature
+            self.model,
+            m.batch,
+            m.mm_kwargs(),
+            self.materializer.forward_policy,
+            normalizer=self.materializer.normalizer,
+            temperature=self.temperature,
         )
         parts = policy_gradient_loss(
             new_logprobs,
