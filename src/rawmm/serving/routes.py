@@ -25,10 +25,22 @@ from starlette.exceptions import HTTPException
 
 from rawmm import metrics
 from rawmm.contract import InvalidImageRef
+from rawmm.contract.engine_api import (
+    GENERATE_PATH,
+    HEALTH_PATH,
+    WEIGHTS_PATH,
+    ErrorDetail,
+    ErrorResponse,
+    ErrorType,
+    GenerateRequest,
+    GenerateResponse,
+    HealthResponse,
+    WeightsRequest,
+    WeightsResponse,
+)
 from rawmm.serving.engine import Engine, EngineUnavailable, InvalidRequest
 from rawmm.serving.guard import WEIGHTS_DISABLED, WeightsGuard, WeightsRefused
 from rawmm.serving.images import RequestImages
-from rawmm.serving.schemas import GenerateRequest, GenerateResponse, WeightsRequest, WeightsResponse
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +49,9 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
-def _error(status: int, kind: str, reason: str, message: str) -> JSONResponse:
-    return JSONResponse(
-        status_code=status, content={"error": {"type": kind, "reason": reason, "message": message}}
-    )
+def _error(status: int, kind: ErrorType, reason: str, message: str) -> JSONResponse:
+    body = ErrorResponse(error=ErrorDetail(type=kind, reason=reason, message=message))
+    return JSONResponse(status_code=status, content=body.model_dump())
 
 
 def _validation_message(exc: ValidationError) -> str:
@@ -96,7 +107,7 @@ def build_router(engine: Engine, images: RequestImages, guard: WeightsGuard = WE
     """The rawmm routes over ``engine``: generate, weights (behind ``guard``), health, metrics."""
     router = APIRouter()
 
-    @router.post("/v1/rawmm/generate", response_model=GenerateResponse)
+    @router.post(GENERATE_PATH, response_model=GenerateResponse)
     async def generate(request: Request) -> Any:
         body = await _parse_body(request, GenerateRequest)
         if isinstance(body, JSONResponse):
@@ -135,7 +146,7 @@ def build_router(engine: Engine, images: RequestImages, guard: WeightsGuard = WE
             weights_version=generation.weights_version,
         )
 
-    @router.post("/v1/rawmm/weights", response_model=WeightsResponse)
+    @router.post(WEIGHTS_PATH, response_model=WeightsResponse)
     async def load_weights(request: Request) -> Any:
         # Authorize before reading the body: an unauthorized caller learns nothing about paths.
         try:
@@ -156,14 +167,14 @@ def build_router(engine: Engine, images: RequestImages, guard: WeightsGuard = WE
         log.info("loaded weights from %s: weights_version %d", path, version)
         return WeightsResponse(weights_version=version)
 
-    @router.get("/health")
+    @router.get(HEALTH_PATH, response_model=HealthResponse)
     async def health() -> Any:
         try:
             await engine.check_health()
         except Exception as exc:
             log.error("health check failed: %r", exc)
             return JSONResponse(status_code=503, content={"status": "unhealthy", "message": repr(exc)})
-        return {"status": "ok", "weights_version": engine.weights_version}
+        return HealthResponse(status="ok", weights_version=engine.weights_version)
 
     @router.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -1,49 +1,6 @@
-"""Request and response bodies of an engine replica's rawmm API."""
+"""The engine API's bodies live in `rawmm.contract.engine_api`, the one schema the server and the orchestrator's
+client share; the engines take its `Sampling` as their sampling parameters, by this name."""
 
-from __future__ import annotations
+from rawmm.contract.engine_api import Sampling
 
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
-
-
-class Sampling(BaseModel):
-    """How to sample. ``temperature`` 0 is greedy; ``seed`` makes sampling reproducible per request."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_tokens: int = Field(16, ge=1, le=65536)
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    logprobs: bool = True
-
-
-class GenerateRequest(BaseModel):
-    """Token ids with image placeholders, the request features of its images (docs/architecture.md §3.3),
-    sampling."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    prompt_token_ids: list[int] = Field(min_length=1)
-    features: dict[str, Any] | None = None
-    sampling: Sampling = Field(default_factory=Sampling)
-
-
-class GenerateResponse(BaseModel):
-    token_ids: list[int]
-    # Per generated token, the log-probability under the distribution it was sampled from (after
-    # temperature and top-p; vLLM's ``processed_logprobs``). None when the request asked for none.
-    logprobs: list[float] | None
-    finish_reason: Literal["stop", "length"]
-    weights_version: int
-
-
-class WeightsRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    path: str = Field(min_length=1)
-
-
-class WeightsResponse(BaseModel):
-    weights_version: int
+__all__ = ["Sampling"]

@@ -1,5 +1,6 @@
-"""A scriptable fake engine replica speaking the rawmm HTTP API, served on 127.0.0.1 inside the test's
-event loop, for the orchestrator's retry, failover, invalid-ref and pinning logic."""
+"""A scriptable fake engine replica speaking the rawmm HTTP API (its routes and bodies from
+rawmm.contract.engine_api, as the real server's), served on 127.0.0.1 inside the test's event loop, for the
+orchestrator's retry, failover, invalid-ref and pinning logic."""
 
 from __future__ import annotations
 
@@ -14,6 +15,18 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+
+from rawmm.contract.engine_api import (
+    GENERATE_PATH,
+    HEALTH_PATH,
+    WEIGHTS_PATH,
+    ErrorDetail,
+    ErrorResponse,
+    GenerateResponse,
+    HealthResponse,
+    WeightsRequest,
+    WeightsResponse,
+)
 
 
 @dataclass
@@ -39,7 +52,7 @@ class FakeEngine:
     def app(self) -> FastAPI:
         app = FastAPI()
 
-        @app.post("/v1/rawmm/generate")
+        @app.post(GENERATE_PATH)
         async def generate(request: Request) -> JSONResponse:
             body = await request.json()
             self.generate_bodies.append(body)
@@ -49,28 +62,29 @@ class FakeEngine:
                 return JSONResponse({"detail": "overloaded"}, status_code=503)
             reason = self.reject(body)
             if reason is not None:
-                error = {"type": "invalid_mm_image_ref", "reason": reason, "message": "bad ref"}
-                return JSONResponse({"error": error}, status_code=400)
+                error = ErrorDetail(type="invalid_mm_image_ref", reason=reason, message="bad ref")
+                return JSONResponse(ErrorResponse(error=error).model_dump(), status_code=400)
             tokens = self.reply(body)
-            return JSONResponse(
-                {
-                    "token_ids": tokens,
-                    "logprobs": [-0.5] * len(tokens),
-                    "finish_reason": "stop",
-                    "weights_version": self.weights_version,
-                }
+            generation = GenerateResponse(
+                token_ids=tokens,
+                logprobs=[-0.5] * len(tokens),
+                finish_reason="stop",
+                weights_version=self.weights_version,
             )
+            return JSONResponse(generation.model_dump())
 
-        @app.post("/v1/rawmm/weights")
+        @app.post(WEIGHTS_PATH)
         async def weights(request: Request) -> JSONResponse:
-            self.weights_paths.append((await request.json())["path"])
+            self.weights_paths.append(WeightsRequest.model_validate(await request.json()).path)
             self.calls.append("weights")
             self.weights_version += 1
-            return JSONResponse({"weights_version": self.weights_version})
+            return JSONResponse(WeightsResponse(weights_version=self.weights_version).model_dump())
 
-        @app.get("/health")
+        @app.get(HEALTH_PATH)
         async def health() -> JSONResponse:
-            return JSONResponse({"status": "ok", "weights_version": self.weights_version})
+            return JSONResponse(
+                HealthResponse(status="ok", weights_version=self.weights_version).model_dump()
+            )
 
         return app
 

@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import pytest
 
+from rawmm.contract.engine_api import GenerateRequest, Sampling
 from rawmm.rl.orchestrator.engine_client import (
     EngineClient,
     InvalidRefError,
@@ -13,7 +16,11 @@ from rawmm.rl.orchestrator.engine_client import (
 from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
 
 FAST_RETRY = RetryPolicy(attempts=3, initial_backoff_s=0.01, max_backoff_s=0.02)
-SAMPLING = {"max_tokens": 4, "temperature": 1.0, "top_p": 1.0, "seed": 0, "logprobs": True}
+SAMPLING = Sampling(max_tokens=4, temperature=1.0, top_p=1.0, seed=0, logprobs=True)
+
+
+def request(prompt_token_ids: list[int], features: dict[str, Any] | None = None) -> GenerateRequest:
+    return GenerateRequest(prompt_token_ids=prompt_token_ids, features=features, sampling=SAMPLING)
 
 
 def error_count(metrics: OrchestratorMetrics, kind: str) -> float:
@@ -30,7 +37,7 @@ async def client_and_metrics():
 async def test_5xx_is_retried_until_it_succeeds(fake_engines, client_and_metrics):
     client, metrics = client_and_metrics
     engine = await fake_engines(fail_next=2)
-    generation = await client.generate(engine.url, [1, 2], None, SAMPLING)
+    generation = await client.generate(engine.url, request([1, 2]))
     assert generation.token_ids == [5, 6, 7]
     assert len(engine.generate_bodies) == 3
     assert error_count(metrics, "server_error") == 2
@@ -40,7 +47,7 @@ async def test_persistent_5xx_gives_up_after_the_policy_attempts(fake_engines, c
     client, metrics = client_and_metrics
     engine = await fake_engines(fail_next=100)
     with pytest.raises(ReplicaUnavailable, match="3 attempts"):
-        await client.generate(engine.url, [1], None, SAMPLING)
+        await client.generate(engine.url, request([1]))
     assert len(engine.generate_bodies) == FAST_RETRY.attempts
 
 
@@ -49,7 +56,7 @@ async def test_down_replica_is_reported_as_unreachable(fake_engines, client_and_
     engine = await fake_engines()
     await engine.stop()
     with pytest.raises(ReplicaUnavailable, match=engine.url):
-        await client.generate(engine.url, [1], None, SAMPLING)
+        await client.generate(engine.url, request([1]))
     assert error_count(metrics, "unreachable") == FAST_RETRY.attempts
 
 
@@ -57,7 +64,7 @@ async def test_invalid_ref_is_not_retried(fake_engines, client_and_metrics):
     client, metrics = client_and_metrics
     engine = await fake_engines(reject=lambda body: "missing_file")
     with pytest.raises(InvalidRefError) as info:
-        await client.generate(engine.url, [1], None, SAMPLING)
+        await client.generate(engine.url, request([1]))
     assert info.value.reason == "missing_file"
     assert len(engine.generate_bodies) == 1
     assert error_count(metrics, "invalid_ref") == 1
@@ -67,9 +74,13 @@ async def test_request_body_carries_prompt_features_and_sampling(fake_engines, c
     client, _ = client_and_metrics
     engine = await fake_engines()
     features = {"mm_hashes": {"image": ["a" * 32]}}
-    await client.generate(engine.url, [1, 2, 3], features, SAMPLING)
+    await client.generate(engine.url, request([1, 2, 3], features))
     assert engine.generate_bodies == [
-        {"prompt_token_ids": [1, 2, 3], "features": features, "sampling": SAMPLING}
+        {
+            "prompt_token_ids": [1, 2, 3],
+            "features": features,
+            "sampling": {"max_tokens": 4, "temperature": 1.0, "top_p": 1.0, "seed": 0, "logprobs": True},
+        }
     ]
 
 
@@ -84,7 +95,7 @@ async def test_mismatched_logprobs_are_a_bad_response():
 
     async with httpx.AsyncClient(transport=Lying()) as http:
         with pytest.raises(RequestRejected, match="1 logprobs for 2 tokens"):
-            await EngineClient(http, metrics, FAST_RETRY).generate("http://x", [1], None, SAMPLING)
+            await EngineClient(http, metrics, FAST_RETRY).generate("http://x", request([1]))
     assert error_count(metrics, "bad_response") == 1
 
 
@@ -119,5 +130,5 @@ async def test_weight_updates_carry_the_run_token_and_generations_do_not(monkeyp
     async with httpx.AsyncClient(transport=Recording()) as http:
         client = EngineClient(http, OrchestratorMetrics(), FAST_RETRY)
         assert await client.load_weights("http://x", "/ckpt/step_1") == 1
-        await client.generate("http://x", [1], None, SAMPLING)
+        await client.generate("http://x", request([1]))
     assert seen == {"/v1/rawmm/weights": "Bearer s3cret", "/v1/rawmm/generate": None}

@@ -6,12 +6,17 @@ from collections import Counter
 import httpx
 import pytest
 
+from rawmm.contract.engine_api import GenerateRequest, Sampling
 from rawmm.rl.orchestrator.engine_client import EngineClient, RetryPolicy
 from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
 from rawmm.rl.orchestrator.replicas import NoReplicaAvailable, ReplicaPool, rendezvous_order
 
 FAST_RETRY = RetryPolicy(attempts=2, initial_backoff_s=0.01, max_backoff_s=0.01)
-SAMPLING = {"max_tokens": 4, "temperature": 1.0, "top_p": 1.0, "seed": 0, "logprobs": True}
+SAMPLING = Sampling(max_tokens=4, temperature=1.0, top_p=1.0, seed=0, logprobs=True)
+
+
+def request(prompt_token_ids: list[int]) -> GenerateRequest:
+    return GenerateRequest(prompt_token_ids=prompt_token_ids, sampling=SAMPLING)
 
 
 def test_rendezvous_order_is_stable_and_spreads_keys():
@@ -51,7 +56,7 @@ async def test_every_turn_of_a_rollout_goes_to_its_pinned_replica(fake_engines, 
     engines = [await fake_engines() for _ in range(3)]
     pool = make([e.url for e in engines])
     for key in ("s1-g0-r0", "s1-g0-r1", "s1-g1-r0"):
-        answered = {(await pool.generate(key, [1], None, SAMPLING))[0] for _ in range(3)}
+        answered = {(await pool.generate(key, request([1])))[0] for _ in range(3)}
         assert answered == {rendezvous_order(key, pool.urls)[0]}
 
 
@@ -63,7 +68,7 @@ async def test_down_replica_fails_over_and_is_reported(fake_engines, pool_factor
     pinned = next(e for e in engines if e.url == rendezvous_order(key, pool.urls)[0])
     other = next(e for e in engines if e is not pinned)
     await pinned.stop()
-    url, generation = await pool.generate(key, [1], None, SAMPLING)
+    url, generation = await pool.generate(key, request([1]))
     assert url == other.url and generation.token_ids == [5, 6, 7]
     assert pool.up == [other.url]
     assert metrics.registry.get_sample_value("rawmm_engine_replicas_up") == 1
@@ -95,7 +100,7 @@ async def test_all_replicas_down_waits_then_fails_clearly(fake_engines, pool_fac
     pool = make([engine.url], down_timeout_s=0.3, probe_interval_s=0.05)
     await engine.stop()
     with pytest.raises(NoReplicaAvailable, match="no engine replica answered"):
-        await asyncio.wait_for(pool.generate("k", [1], None, SAMPLING), timeout=10)
+        await asyncio.wait_for(pool.generate("k", request([1])), timeout=10)
 
 
 async def test_all_replicas_down_then_one_returns_resumes_the_rollout(fake_engines, pool_factory):
@@ -103,7 +108,7 @@ async def test_all_replicas_down_then_one_returns_resumes_the_rollout(fake_engin
     engine = await fake_engines()
     pool = make([engine.url], down_timeout_s=30, probe_interval_s=0.02)
     await engine.stop()
-    pending = asyncio.create_task(pool.generate("k", [1], None, SAMPLING))
+    pending = asyncio.create_task(pool.generate("k", request([1])))
     await asyncio.wait_for(_until(lambda: not pool.up), timeout=10)
     assert not pending.done()
     await engine.start()

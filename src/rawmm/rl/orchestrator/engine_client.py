@@ -6,6 +6,7 @@
 - Any other 4xx: `RequestRejected` at once.
 Weight updates carry `Authorization: Bearer $RAWMM_WEIGHTS_TOKEN` (rawmm.weights_token).
 Every failed attempt is counted in `rawmm_engine_request_errors_total{kind}` and logged.
+Requests, responses and error bodies are the server's own models (`rawmm.contract.engine_api`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
+from rawmm.contract.engine_api import (
+    GENERATE_PATH,
+    HEALTH_PATH,
+    WEIGHTS_PATH,
+    ErrorResponse,
+    GenerateRequest,
+    GenerateResponse,
+    HealthResponse,
+    WeightsRequest,
+    WeightsResponse,
+)
 from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
 from rawmm.weights_token import auth_headers
 
@@ -56,14 +69,6 @@ class RetryPolicy:
         return min(self.initial_backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
 
 
-@dataclass(frozen=True)
-class Generation:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    weights_version: int
-
-
 class EngineClient:
     """Talks to engine replicas by URL; one instance serves every replica of a run."""
 
@@ -72,40 +77,35 @@ class EngineClient:
     ) -> None:
         self._http, self._metrics, self._retry = http, metrics, retry
 
-    async def generate(
-        self, url: str, prompt_token_ids: list[int], features: dict[str, Any] | None, sampling: dict[str, Any]
-    ) -> Generation:
-        body = {"prompt_token_ids": prompt_token_ids, "features": features, "sampling": sampling}
-        data = await self._post(url, "/v1/rawmm/generate", body)
+    async def generate(self, url: str, request: GenerateRequest) -> GenerateResponse:
+        """A generation with one logprob per token (`request` must ask for logprobs)."""
+        data = await self._post(url, GENERATE_PATH, request)
         try:
-            token_ids = [int(t) for t in data["token_ids"]]
-            logprobs = [float(x) for x in data.get("logprobs") or []]
-            generation = Generation(
-                token_ids, logprobs, str(data["finish_reason"]), int(data["weights_version"])
-            )
-        except (KeyError, TypeError, ValueError) as exc:
+            generation = GenerateResponse.model_validate(data)
+        except ValidationError as exc:
             self._metrics.engine_errors.labels(kind="bad_response").inc()
             raise RequestRejected(url, 200, f"malformed generate response: {exc!r}") from exc
-        if len(generation.logprobs) != len(generation.token_ids):
+        logprobs = generation.logprobs
+        if logprobs is None or len(logprobs) != len(generation.token_ids):
             self._metrics.engine_errors.labels(kind="bad_response").inc()
-            raise RequestRejected(
-                url, 200, f"{len(generation.logprobs)} logprobs for {len(generation.token_ids)} tokens"
-            )
+            got = "no" if logprobs is None else len(logprobs)
+            raise RequestRejected(url, 200, f"{got} logprobs for {len(generation.token_ids)} tokens")
         return generation
 
     async def load_weights(self, url: str, path: str) -> int:
-        data = await self._post(url, "/v1/rawmm/weights", {"path": path}, headers=auth_headers())
-        return int(data["weights_version"])
+        data = await self._post(url, WEIGHTS_PATH, WeightsRequest(path=path), headers=auth_headers())
+        return WeightsResponse.model_validate(data).weights_version
 
     async def health(self, url: str) -> int:
         """The replica's weights version if it answers healthy right now (one attempt, no retry)."""
-        response = await self._http.get(f"{url}/health")
+        response = await self._http.get(f"{url}{HEALTH_PATH}")
         response.raise_for_status()
-        return int(response.json()["weights_version"])
+        return HealthResponse.model_validate(response.json()).weights_version
 
     async def _post(
-        self, url: str, route: str, body: dict[str, Any], headers: dict[str, str] | None = None
-    ) -> dict[str, Any]:
+        self, url: str, route: str, request: BaseModel, headers: dict[str, str] | None = None
+    ) -> Any:
+        body = request.model_dump(mode="json")
         last_error = ""
         for attempt in range(1, self._retry.attempts + 1):
             try:
@@ -144,11 +144,11 @@ class EngineClient:
 
     def _client_error(self, url: str, response: httpx.Response) -> EngineError:
         try:
-            error = response.json()["error"]
-            if error.get("type") == "invalid_mm_image_ref":
-                self._metrics.engine_errors.labels(kind="invalid_ref").inc()
-                return InvalidRefError(url, str(error.get("reason")), str(error.get("message")))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            pass
+            error = ErrorResponse.model_validate_json(response.content).error
+        except ValidationError:
+            error = None  # not the server's error shape (a proxy's page, say): rejected as it stands
+        if error is not None and error.type == "invalid_mm_image_ref":
+            self._metrics.engine_errors.labels(kind="invalid_ref").inc()
+            return InvalidRefError(url, error.reason, error.message)
         self._metrics.engine_errors.labels(kind="rejected").inc()
         return RequestRejected(url, response.status_code, response.text)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from rawmm.config import RunConfig
+from rawmm.contract.engine_api import Sampling
 from rawmm.contract.shared_dir import checkpoint_dir, latest_step, wait_for_checkpoint, written_steps
 from rawmm.rl.batches import write_batch
 from rawmm.rl.envs import Environment
@@ -124,11 +125,9 @@ class Orchestrator:
 
     async def _play_groups(self, step: int) -> tuple[list[list[Rollout]], Counter[str]]:
         cfg = self.config.orchestrator
-        sampling = {
-            "max_tokens": cfg.max_tokens,
-            "temperature": cfg.sampling.temperature,
-            "top_p": cfg.sampling.top_p,
-        }
+        sampling = Sampling(
+            max_tokens=cfg.max_tokens, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p
+        )
         ids = [
             [RolloutId(step, g, r) for r in range(cfg.rollouts_per_prompt)]
             for g in range(cfg.prompts_per_step)

@@ -17,11 +17,11 @@ import contextlib
 import hashlib
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import httpx
 
-from rawmm.rl.orchestrator.engine_client import EngineClient, EngineError, Generation, ReplicaUnavailable
+from rawmm.contract.engine_api import GenerateRequest, GenerateResponse
+from rawmm.rl.orchestrator.engine_client import EngineClient, EngineError, ReplicaUnavailable
 from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
 
 log = logging.getLogger(__name__)
@@ -92,15 +92,13 @@ class ReplicaPool:
         for url in sorted(pending):
             self._mark_down(url, "not healthy at start")
 
-    async def generate(
-        self, key: str, prompt_token_ids: list[int], features: dict[str, Any] | None, sampling: dict[str, Any]
-    ) -> tuple[str, Generation]:
+    async def generate(self, key: str, request: GenerateRequest) -> tuple[str, GenerateResponse]:
         """Generate on the replica `key` is pinned to, failing over while replicas are down.
         Returns the URL that answered and its generation."""
         while True:
             for url in rendezvous_order(key, self.up):
                 try:
-                    return url, await self._client.generate(url, prompt_token_ids, features, sampling)
+                    return url, await self._client.generate(url, request)
                 except ReplicaUnavailable as exc:
                     self._mark_down(url, str(exc))
             await self._wait_for_any_up()

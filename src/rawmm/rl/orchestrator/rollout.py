@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from rawmm.contract import OffloadStore, offload_message_images, render_chat, resolve_preset
+from rawmm.contract.engine_api import GenerateRequest, GenerateResponse, Sampling
 from rawmm.rl.envs import Episode, Message
-from rawmm.rl.orchestrator.engine_client import Generation
 from rawmm.rl.orchestrator.replicas import ReplicaPool
 from rawmm.rl.samples import Sample, build_mm_refs, validate_image_spans
 
@@ -75,7 +75,7 @@ class RolloutId:
 @dataclass(frozen=True)
 class Turn:
     prompt: Any  # rawmm.contract RenderedPrompt
-    generation: Generation
+    generation: GenerateResponse  # with one logprob per token (the client checks)
     replica: str
 
 
@@ -104,7 +104,7 @@ async def play(
     *,
     renderer: PromptRenderer,
     pool: ReplicaPool,
-    sampling: dict[str, Any],
+    sampling: Sampling,
     max_turns: int,
     run_seed: int,
 ) -> Rollout:
@@ -115,11 +115,14 @@ async def play(
     messages = await asyncio.to_thread(lambda: renderer.offload(episode.start()))
     for turn in range(max_turns):
         prompt = await asyncio.to_thread(renderer.render, messages)
-        request_sampling = {**sampling, "seed": request_seed(run_seed, rollout_id, turn), "logprobs": True}
-        features = prompt.features() if prompt.images else None
-        replica, generation = await pool.generate(
-            str(rollout_id), list(prompt.token_ids), features, request_sampling
+        request = GenerateRequest(
+            prompt_token_ids=list(prompt.token_ids),
+            features=prompt.features() if prompt.images else None,
+            sampling=sampling.model_copy(
+                update={"seed": request_seed(run_seed, rollout_id, turn), "logprobs": True}
+            ),
         )
+        replica, generation = await pool.generate(str(rollout_id), request)
         rollout.turns.append(Turn(prompt, generation, replica))
         reply = await asyncio.to_thread(renderer.decode, generation.token_ids)
         result = episode.step(reply)
@@ -132,16 +135,17 @@ async def play(
     return rollout
 
 
-def trainable_completion(generation: Generation, placeholder_id: int) -> tuple[list[int], list[float]]:
+def trainable_completion(generation: GenerateResponse, placeholder_id: int) -> tuple[list[int], list[float]]:
     """The generated tokens and logprobs up to the first image placeholder token, if any.
 
     A policy can sample the placeholder token (random tiny models do). In a training sample the model
     would count it as an image position without an image and the forward fails, so the sample keeps
     only the prefix before it; the conversation itself goes on with the decoded text, which drops it.
     """
-    tokens = generation.token_ids
+    tokens, logprobs = generation.token_ids, generation.logprobs
+    assert logprobs is not None  # EngineClient.generate returns none without them
     cut = tokens.index(placeholder_id) if placeholder_id in tokens else len(tokens)
-    return tokens[:cut], generation.logprobs[:cut]
+    return tokens[:cut], logprobs[:cut]
 
 
 def turn_samples(rollout: Rollout, advantage: float, placeholder_id: int) -> list[Sample]:
