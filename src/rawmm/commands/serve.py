@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
     from rawmm.serving.images import PixelBudget, RequestImages
 
     try:
-        processor = load_processor(args.model, args.processor_backend, args.trust_remote_code)
+        # uint8 items: the transformers engine normalizes on use (vLLM picks its own representation below).
+        processor = load_processor(args.model, args.processor_backend, args.trust_remote_code, pixels="uint8")
     except (OSError, ValueError) as exc:
         raise CliError(f"cannot load the image processor of {args.model}: {exc}") from None
     max_pixels = args.max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS

@@ -4,6 +4,9 @@ Generation runs on one dedicated thread, one request at a time (correctness firs
 prompt and its images' ``pixel_values`` / ``image_grid_thw`` / ``mm_token_type_ids`` (Qwen computes its
 own M-RoPE positions from them), then token-by-token decoding on the KV cache. Weight updates run on the
 same thread between requests, behind the ``WeightsGate``.
+
+Items carry the pixels of the processor's representation: ``uint8`` items (a quarter of float32 in the
+materialize cache) are normalized on use, per request, bit-exact to the processor's normalized pixels.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 
 from rawmm.materialize import LoadedProcessor, collate
+from rawmm.materialize.normalize import PixelNormalizer
 from rawmm.serving.engine import Engine, Generation, ImageInput, InvalidRequest
 from rawmm.serving.sampling import sample_token
 from rawmm.serving.schemas import Sampling
@@ -46,6 +50,7 @@ class TransformersEngine(Engine):
         if processor.family.name != "qwen_vl":
             raise ValueError(f"the transformers engine serves Qwen-VL models, not {processor.family.name}")
         self.processor = processor
+        self.normalizer = PixelNormalizer(processor) if processor.pixels == "uint8" else None
         self.model = _load_model(model_path)
         text_config = self.model.config.get_text_config()
         self.placeholder_token_id = int(self.model.config.image_token_id)
@@ -76,7 +81,8 @@ class TransformersEngine(Engine):
         model.model.rope_deltas = None  # cached per request by Qwen; never let one leak into the next
         inputs: dict[str, Any] = {"input_ids": torch.tensor([token_ids])}
         if images:
-            inputs.update(collate([image.item for image in images]))
+            mm_kwargs = collate([image.item for image in images])
+            inputs.update(self.normalizer.inputs(mm_kwargs) if self.normalizer else mm_kwargs)
             token_types = torch.zeros(1, len(token_ids), dtype=torch.int32)
             for image in images:
                 token_types[0, image.feature.offset : image.feature.offset + image.feature.length] = 1
