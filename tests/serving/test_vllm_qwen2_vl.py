@@ -3,7 +3,8 @@
 Raw refs through ``/v1/rawmm/generate`` must equal vLLM's own image path (``/v1/chat/completions`` with
 the same bytes as data URLs) on the same server; a weight update must behave like a fresh server; bad
 requests are 400s with reasons; a dead engine core is a 503. The engine-death test kills the server's
-engine, so it runs last.
+engine, so it runs last. vLLM's multimodal cache is 1 MiB: a few of the small test images fit, a
+concurrent multi-turn burst keeps it evicting.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from rawmm.contract import encode_ref, parse_ref
 
 # A server's start (35-70 s idle, minutes on a loaded machine) counts toward its first test's timeout.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+MM_CACHE_GB = 2**20 / 2**30
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,12 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(checkpoints: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     pytest.importorskip("vllm")
     work = tmp_path_factory.mktemp("vllm_qwen2")
-    with vllm_server(checkpoints / "seed0", work, weights_root=checkpoints) as running:
+    with vllm_server(
+        checkpoints / "seed0",
+        work,
+        weights_root=checkpoints,
+        vllm_args=["--mm-processor-cache-gb", str(MM_CACHE_GB)],
+    ) as running:
         yield running
 
 
@@ -212,6 +219,50 @@ def test_no_cached_item_crosses_to_the_engine_core_twice(server: VllmServer, che
     before = server.metric(sent)
     assert_same(raw_tokens(conversation.raw(4)), last)
     assert server.metric(sent) - before == sum(item_bytes(features, i, server.config) for i in range(3))
+
+
+def test_concurrent_multi_turn_requests_through_an_evicting_cache_and_a_reset_equal_vllms_own_path(
+    server: VllmServer,
+) -> None:
+    """Four conversations at once, each resending a shared image and its own earlier ones, through a sender
+    cache smaller than one request's items, with a weight update (both caches cleared) mid-way: every
+    request succeeds and equals vLLM's own path; a drift, if the interleaving makes one, is resent."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    crossed, resends = (
+        server.metric(name)
+        for name in ("rawmm_engine_core_item_bytes_total", "rawmm_engine_core_resends_total")
+    )
+    conversations = [Conversation(server) for _ in range(4)]
+    for index, conversation in enumerate(conversations):
+        conversation.user(picture(70, 150, 110), f"shared screen, agent {index}")
+
+    def turn(conversation: Conversation) -> None:
+        conversation.assistant(both_ways(conversation, max_tokens=4)[0])
+
+    with ThreadPoolExecutor(len(conversations) + 1) as pool:
+        for step in range(4):
+            for index, conversation in enumerate(conversations):
+                conversation.user(picture(80 + 10 * index + step, 150 - 4 * step, 110), f"step {step}")
+            turns = [pool.submit(turn, conversation) for conversation in conversations]
+            if step == 2:  # concurrently with this step's requests: clears both multimodal caches
+                reload = pool.submit(server.load_weights, server.model)
+            for future in turns:
+                future.result()
+        assert reload.result().status_code == 200, reload.result().text
+    sent = server.metric("rawmm_engine_core_item_bytes_total") - crossed
+    sizes = [
+        [item_bytes(features, i, server.config) for i in range(5)]
+        for features in (render_features(conversation) for conversation in conversations)
+    ]
+    unique = sizes[0][0] + sum(size for own in sizes for size in own[1:])
+    carried = sum(sum(own[: step + 2]) for own in sizes for step in range(4))  # what each request held
+    # Evictions and the reset made items cross again, but the sender cache still kept some from crossing.
+    assert unique < sent < carried, (unique, sent, carried)
+    print(
+        f"drift resends: {server.metric('rawmm_engine_core_resends_total') - resends:.0f}; "
+        f"bytes to the engine core {sent:.0f} (unique {unique}, carried {carried})"
+    )
 
 
 def test_weight_updates_that_cannot_fit_are_refused_and_keep_the_version(
