@@ -206,12 +206,14 @@ def image_memory(work: Path, episodes: int, turns: int, micro_batch_tokens: int)
     """Print the image bytes held per micro-batch and per step, float32 vs uint8, with their ratios."""
     import torch
 
-    from rawmm.materialize import load_processor
+    from rawmm.contract import RawImageDescriptor
+    from rawmm.materialize import get_adapter, load_processor, read_ref_image
     from rawmm.rl.materializer import RawImageMaterializer
     from rawmm.rl.packing import pack_samples
 
     model, samples, root = episode_samples(work, episodes, turns)
-    materializer = RawImageMaterializer(load_processor(model), roots=[root], missing_image_policy="error")
+    loaded = load_processor(model)
+    materializer = RawImageMaterializer(loaded, roots=[root], missing_image_policy="error")
     materializer.begin_step(1)
     started = time.perf_counter()
     micro_batches = [materializer.materialize(mb) for mb in pack_samples(samples, micro_batch_tokens)]
@@ -229,18 +231,36 @@ def image_memory(work: Path, episodes: int, turns: int, micro_batch_tokens: int)
         normalize_s += time.perf_counter() - started
         rows.append((len(m.images), nbytes(raw), nbytes(normalized)))
     # The step holds each unique image once (repeats share it) from materialization to the last forward.
-    unique = {id(inputs["pixel_values"]): inputs for m in micro_batches for inputs in m.images}
-    step_uint8 = sum(nbytes(i) for i in unique.values())
-    step_float32 = sum(nbytes(materializer.normalizer.inputs(i)) for i in unique.values())
-    assert step_uint8 == stats.held_bytes and len(unique) == stats.materialized == episodes * turns
+    unique = {
+        id(inputs["pixel_values"]): (ref, inputs)
+        for m in micro_batches
+        for ref, inputs in zip(m.batch.images, m.images, strict=True)
+    }
+    assert len(unique) == stats.materialized == episodes * turns
+    step_uint8 = sum(nbytes(inputs) for _, inputs in unique.values())
+    assert step_uint8 == stats.held_bytes
+    # The old side, in this run: each unique image read and processed to normalized float32 pixels.
+    step_float32, old_s = 0, 0.0
+    for ref, inputs in unique.values():
+        started = time.perf_counter()
+        descriptor = RawImageDescriptor.from_dict(ref.descriptor)
+        pixels = read_ref_image(descriptor, mm_hash=ref.mm_hash, roots=[root], max_pixels=10**8)
+        old = get_adapter(loaded.family.name).materialize_for_trainer([pixels], [descriptor], loaded).kwargs
+        old_s += time.perf_counter() - started
+        step_float32 += nbytes(old)
+        assert torch.equal(materializer.normalizer(inputs["pixel_values"]), old["pixel_values"])  # bit-exact
 
     print(
         f"\nimage inputs of one step: {episodes} episodes x {turns} turns of 1280x720 screenshots, "
         f"{len(samples)} samples in {len(micro_batches)} micro-batches of <= {micro_batch_tokens} tokens"
     )
     print(
-        f"images referenced {stats.images}, materialized {stats.materialized} (= unique images), "
-        f"materialize {materialize_s:.2f}s, normalize on use {normalize_s * 1e3:.0f} ms for the step"
+        f"images referenced {stats.images}, materialized {stats.materialized} (= unique images); "
+        f"pixels after normalize-on-use equal the float32 path's bit for bit"
+    )
+    print(
+        f"CPU per step: float32 path materialize {old_s:.2f}s; uint8 path materialize {materialize_s:.2f}s "
+        f"+ normalize on use {normalize_s:.2f}s (on the trainer's device when it has one)"
     )
     print(f"{'':16} {'images':>6} {'float32':>12} {'uint8':>12} {'ratio':>6}")
     for index, (images, uint8, float32) in enumerate(rows):
