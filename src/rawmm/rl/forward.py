@@ -112,10 +112,9 @@ def forward_logprobs(
     else:
         position_ids = mrope_position_ids(model, input_ids, mm_token_type_ids, batch.seq_lens, mm_kwargs)
     inputs: dict[str, Any] = {k: v.to(device) for k, v in mm_kwargs.items()}
-    pixels = inputs.get("pixel_values")
     if normalizer is not None:
-        inputs = normalizer.inputs(inputs)
-    elif pixels is not None and pixels.dtype == torch.uint8:
+        inputs = normalizer.inputs(inputs)  # the device's uint8 copy is dropped here, before the forward
+    elif "pixel_values" in inputs and inputs["pixel_values"].dtype == torch.uint8:
         # The vision tower would cast them to float and run on 0..255: wrong, and silently so.
         raise ValueError("uint8 pixel_values need the materializer's normalizer")
     if policy.requires_mm_token_type_ids:
