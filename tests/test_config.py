@@ -192,3 +192,31 @@ def test_a_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path: Pat
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(f"{path}:4:9: not valid YAML: "), message
+
+
+def test_the_sampling_the_config_accepts_is_what_the_engine_schema_accepts(tmp_path: Path) -> None:
+    """At the engine API's limits both accept; one past them the config refuses up front, as the engines would
+    refuse every request."""
+    from pydantic import ValidationError
+
+    from rawmm.contract.engine_api import MAX_TOKENS_LIMIT, TEMPERATURE_LIMIT, Sampling
+
+    for max_tokens, temperature in (
+        (MAX_TOKENS_LIMIT, TEMPERATURE_LIMIT),
+        (MAX_TOKENS_LIMIT + 1, 1.0),
+        (16, 101.0),
+    ):
+        over = max_tokens > MAX_TOKENS_LIMIT or temperature > TEMPERATURE_LIMIT
+        orchestrator = {"max_tokens": max_tokens, "sampling": {"temperature": temperature}}
+        path = write_yaml(tmp_path, {**MINIMAL, "orchestrator": orchestrator})
+        try:
+            RunConfig.from_yaml(path)
+            config_accepts = True
+        except ConfigError:
+            config_accepts = False
+        try:
+            Sampling(max_tokens=max_tokens, temperature=temperature)
+            engine_accepts = True
+        except ValidationError:
+            engine_accepts = False
+        assert config_accepts == engine_accepts == (not over)

@@ -421,7 +421,6 @@ def build_orchestrator_job(run: RunRef, spec: RLRunSpec) -> Manifest:
         args=[
             "orchestrate",
             str(RUN_CONFIG_DIR / RUN_CONFIG_FILE),
-            f"--checkpoint-timeout={orchestrator.checkpoint_timeout_seconds}",
         ],
         env=_env([_weights_token_env(run), *COMMON_ENV], orchestrator),
         ports=[
@@ -448,7 +447,6 @@ def trainer_command(run: RunRef, spec: RLRunSpec) -> list[str]:
         "rawmm",
         "train",
         str(RUN_CONFIG_DIR / RUN_CONFIG_FILE),
-        f"--batch-timeout={trainer.batch_timeout_seconds}",
     ]
     if not trainer.distributed:
         return train

@@ -345,12 +345,6 @@ class OrchestratorSpec(PodSettings, OrchestratorConfig):
     environment: EnvironmentSpec = Field(default_factory=EnvironmentSpec)
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     image: str = _image()
-    checkpoint_timeout_seconds: int = Field(
-        default=7200,
-        ge=1,
-        description="the orchestrator fails when the trainer's checkpoint a step waits for takes longer "
-        "(`--checkpoint-timeout`)",
-    )
     resources: Resources = default_resources(cpu="2", memory="4Gi")
 
 
@@ -373,11 +367,6 @@ class TrainerSpec(PodSettings, TrainerConfig):
         pattern=RESOURCE_NAME_PATTERN,
         max_length=253,
         description="the extended resource `gpusPerNode` counts",
-    )
-    batch_timeout_seconds: int = Field(
-        default=7200,
-        ge=1,
-        description="the trainer fails when a step's rollout batch takes longer (`--batch-timeout`)",
     )
     resources: Resources = default_resources("per node", cpu="8", memory="64Gi")
 

@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # The families' own records decide which presets and backends exist.
+from rawmm.contract.engine_api import MAX_TOKENS_LIMIT, TEMPERATURE_LIMIT
 from rawmm.contract.families import Backend as ProcessorBackend
 from rawmm.contract.families import Preset
 from rawmm.contract.shared_dir import SharedDir
@@ -86,7 +87,7 @@ class InferenceConfig(InferenceSettings):
     base_port: int = Field(default=8100, ge=1, le=65535)
     vllm_args: list[str] = Field(
         default_factory=list,
-        description="extra arguments for vLLM's server of each local replica (engine: vllm), "
+        description="extra arguments for vLLM's server of each replica (engine: vllm), "
         "e.g. ['--enforce-eager', '--kv-cache-memory-bytes', '1073741824']",
     )
 
@@ -111,7 +112,7 @@ class EnvironmentConfig(StrictModel):
 
 
 class SamplingConfig(StrictModel):
-    temperature: float = Field(default=1.0, ge=0.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=TEMPERATURE_LIMIT)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
 
 
@@ -120,12 +121,18 @@ class OrchestratorConfig(StrictModel):
     prompts_per_step: int = Field(default=2, ge=1)
     rollouts_per_prompt: int = Field(default=4, ge=1)
     max_turns: int = Field(default=3, ge=1)
-    max_tokens: int = Field(default=16, ge=1)
+    max_tokens: int = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     # Batch N is sampled with checkpoint N - max_async_level and checkpoint N needs batch N, so 0 would wait
     # forever; 1 = on-policy (every batch sampled with the newest weights).
     max_async_level: int = Field(default=1, ge=1)
     seed: int = 0
+    checkpoint_timeout_seconds: int = Field(
+        default=7200,
+        ge=1,
+        description="the orchestrator fails when the trainer's checkpoint a step waits for takes longer "
+        "(`rawmm orchestrate --checkpoint-timeout` overrides it)",
+    )
 
 
 class TrainerConfig(StrictModel):
@@ -143,6 +150,12 @@ class TrainerConfig(StrictModel):
     parallelism: Parallelism = "ddp"
     # recompute each layer's activations in backward: less memory for about one more forward pass
     activation_checkpointing: bool = False
+    batch_timeout_seconds: int = Field(
+        default=7200,
+        ge=1,
+        description="the trainer fails when a step's rollout batch takes longer "
+        "(`rawmm train --batch-timeout` overrides it)",
+    )
 
     @model_validator(mode="after")
     def _seq_len_fits_a_micro_batch(self) -> TrainerConfig:
@@ -177,7 +190,9 @@ class RetentionConfig(StrictModel):
         "the time from an image's last use in a rollout to its batch landing on the volume",
     )
     keep_steps: int = Field(default=0, ge=0, description="also keep the images of the last N trained steps")
-    metrics_port: int = Field(default=9103, ge=0, le=65535, description="/metrics of the GC process; 0 = none")
+    metrics_port: int = Field(
+        default=9103, ge=0, le=65535, description="/metrics of the GC process; 0 = none"
+    )
 
     @field_validator("older_than")
     @classmethod

@@ -179,7 +179,6 @@ def test_cpu_only_run_has_no_gpus_and_a_memory_limit_with_the_cache() -> None:
         "rawmm",
         "train",
         "/etc/rawmm/run.yaml",
-        "--batch-timeout=7200",
     ]
     assert not [key for key in built if key[0] == "PodMonitor"]
 
@@ -192,7 +191,6 @@ def test_orchestrator_job_runs_the_config_from_the_config_map() -> None:
         "rawmm",
         "orchestrate",
         "/etc/rawmm/run.yaml",
-        "--checkpoint-timeout=7200",
     ]
     assert {"name": "config", "mountPath": "/etc/rawmm", "readOnly": True} in container["volumeMounts"]
     assert {"name": "config", "configMap": {"name": "exp-config"}} in pod_spec(job)["volumes"]
@@ -205,12 +203,11 @@ def test_single_node_multi_gpu_trainer_runs_under_standalone_torchrun() -> None:
     (container,) = pod_spec(trainer)["containers"]
     assert container["command"] == ["torchrun"]
     assert "--standalone" in container["args"] and "--nproc-per-node=8" in container["args"]
-    assert container["args"][-5:] == [
+    assert container["args"][-4:] == [
         "--no-python",
         "rawmm",
         "train",
         "/etc/rawmm/run.yaml",
-        "--batch-timeout=7200",
     ]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert trainer["spec"]["completionMode"] == "Indexed"
@@ -459,19 +456,24 @@ def test_jobs_ignore_disruptions_and_fail_on_a_real_failure() -> None:
         assert pod_spec(job)["restartPolicy"] == "Never"  # podFailurePolicy requires it
 
 
-def test_the_orchestrators_checkpoint_wait_has_a_deadline() -> None:
-    spec = merged(CPU_ONLY, {"orchestrator": {"checkpointTimeoutSeconds": 90}})
-    (orchestrator,) = pod_spec(children(spec)[("Job", "exp-orchestrator")])["containers"]
-    assert orchestrator["args"][-1] == "--checkpoint-timeout=90"
+def config_map_run_config(spec: dict[str, Any]) -> RunConfig:
+    built = children(spec)
+    return RunConfig.from_mapping(yaml.safe_load(built[("ConfigMap", "exp-config")]["data"]["run.yaml"]))
 
 
-def test_the_trainers_batch_wait_has_a_deadline() -> None:
-    for spec, expected in (
-        (ISSUE_EXAMPLE, "7200"),
-        (merged(CPU_ONLY, {"trainer": {"batchTimeoutSeconds": 60}}), "60"),
-    ):
-        (trainer,) = pod_spec(children(spec)[("Job", "exp-trainer")])["containers"]
-        assert f"--batch-timeout={expected}" in trainer["args"]
+def test_both_waits_have_the_rlruns_deadlines_in_the_run_config() -> None:
+    """The pods run with no timeout flag: `rawmm train` and `rawmm orchestrate` read both deadlines from the
+    ConfigMap's run config."""
+    default = config_map_run_config(ISSUE_EXAMPLE)
+    assert (default.trainer.batch_timeout_seconds, default.orchestrator.checkpoint_timeout_seconds) == (
+        7200,
+        7200,
+    )
+    spec = merged(
+        CPU_ONLY, {"trainer": {"batchTimeoutSeconds": 60}, "orchestrator": {"checkpointTimeoutSeconds": 90}}
+    )
+    config = config_map_run_config(spec)
+    assert (config.trainer.batch_timeout_seconds, config.orchestrator.checkpoint_timeout_seconds) == (60, 90)
 
 
 def test_queue_label_reaches_the_jobs_which_start_suspended() -> None:

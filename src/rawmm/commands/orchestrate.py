@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         metavar="SECONDS",
         help="fail if the trainer's checkpoint a step waits for does not appear within this time "
-        "(default: wait forever)",
+        "(default: orchestrator.checkpoint_timeout_seconds)",
     )
     parser.add_argument(
         "--metrics-host",
@@ -78,7 +78,13 @@ def run(args: argparse.Namespace) -> int:
         start_http_server(port, addr=args.metrics_host, registry=metrics.registry)
     return asyncio.run(
         _orchestrate(
-            config, steps, environment, renderer, metrics, args.engine_down_timeout, args.checkpoint_timeout
+            config,
+            steps,
+            environment,
+            renderer,
+            metrics,
+            args.engine_down_timeout,
+            args.checkpoint_timeout or config.orchestrator.checkpoint_timeout_seconds,
         )
     )
 
@@ -90,7 +96,7 @@ async def _orchestrate(
     renderer: PromptRenderer,
     metrics: OrchestratorMetrics,
     down_timeout_s: float,
-    checkpoint_timeout_s: float | None,
+    checkpoint_timeout_s: float,
 ) -> int:
     import httpx
 

@@ -20,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-timeout",
         type=float,
         metavar="SECONDS",
-        help="fail if a step's rollout batch does not appear within this time (default: wait forever)",
+        help="fail if a step's rollout batch does not appear within this time "
+        "(default: trainer.batch_timeout_seconds)",
     )
     parser.add_argument(
         "--metrics-host",
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
             start_http_server(port, addr=args.metrics_host)
         trainer.run(
             steps,
-            batch_timeout=args.batch_timeout,
+            batch_timeout=args.batch_timeout or config.trainer.batch_timeout_seconds,
             on_step=(lambda result: print(step_log_line(result), flush=True)) if dist.is_main else None,
         )
     except (BatchTimeout, MissingImageError) as exc:

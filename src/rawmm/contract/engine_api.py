@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field
 GENERATE_PATH = "/v1/rawmm/generate"
 WEIGHTS_PATH = "/v1/rawmm/weights"
 HEALTH_PATH = "/health"
+# The sampling limits a request may ask for; the run config's sampling section refuses more up front.
+MAX_TOKENS_LIMIT = 65536
+TEMPERATURE_LIMIT = 100.0
 
 # `invalid_mm_image_ref`: a bad image ref (reasons in rawmm.contract.errors); `invalid_request`: any other
 # client error; `weights_refused`: the weights guard said no; the last two are the server's own faults.
@@ -27,8 +30,8 @@ class Sampling(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int = Field(16, ge=1, le=65536)
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    max_tokens: int = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float = Field(1.0, ge=0.0, le=TEMPERATURE_LIMIT)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     logprobs: bool = True

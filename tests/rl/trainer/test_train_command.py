@@ -30,6 +30,13 @@ def test_missing_batch_is_a_clear_error(rollouts, tmp_path, capsys):
     assert "no rollout batch for step 1" in capsys.readouterr().err
 
 
+def test_the_batch_wait_defaults_to_the_run_configs_deadline(rollouts, tmp_path, capsys):
+    trainer = rollouts.config.trainer.model_copy(update={"batch_timeout_seconds": 1})
+    config = write_config(tmp_path / "run.yaml", rollouts.config.model_copy(update={"trainer": trainer}))
+    assert main(["train", config, "--steps", "1"]) == 2
+    assert "no rollout batch for step 1" in (err := capsys.readouterr().err) and "after 1s" in err
+
+
 def test_bad_config_fails_before_anything_starts(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {path: /nowhere, preset: qwen2_vl}\nshared_dir: /tmp/x\ntrainer: {stepz: 3}\n")
