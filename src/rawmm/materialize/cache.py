@@ -16,11 +16,17 @@ Memory (docs/architecture.md §4): a request holds its items through a ``Lease``
 expected size and starts only while the pinned bytes plus the reservations fit the budget, so the bytes
 held overshoot the budget by at most the oldest lease's items (it never waits, so something always
 progresses) and one miss of unknown size at a time.
+
+Evicting must also shrink the process: glibc raises its mmap threshold after freeing a large block, so
+later items live on the heap and in per-thread arenas, whose freed pages it keeps (measured: RSS grew 1.16x
+the budget filling a cache in-process, 1.25x in a vLLM API server). After each eighth of the budget
+evicted, the cache hands the free pages back (``malloc_trim``; 0.91x, no measurable cost per miss).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hashlib
 import json
 import logging
@@ -35,6 +41,15 @@ from rawmm import metrics
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+TRIM_EVERY = 8  # release freed memory after evicting 1/TRIM_EVERY of the budget
+_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
+
+
+def release_freed_memory() -> None:
+    """Return the allocator's free pages to the OS (glibc; a no-op elsewhere)."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def cache_key(ref: str, *, engine_modality: str, placeholder_length: int, processor_identity: str) -> str:
@@ -91,6 +106,7 @@ class MaterializeCache(Generic[T]):
         self._reserved = 0  # expected bytes of leased misses not yet stored
         self._unsized = 0  # leased misses of unknown size not yet stored
         self._room: asyncio.Condition | None = None
+        self._evicted_since_trim = 0
         if self.enabled:
             metrics.CACHE_CAPACITY_BYTES.set(max_bytes)
             self._publish_sizes()
@@ -225,11 +241,15 @@ class MaterializeCache(Generic[T]):
             return
         for key in [key for key in self._items if not self._pins[key]]:
             if self._bytes <= limit:
-                return
+                break
             _, evicted_size = self._items.pop(key)
             self._bytes -= evicted_size
             self.stats.evictions += 1
             metrics.CACHE_EVICTIONS.inc()
+            self._evicted_since_trim += evicted_size
+        if self._evicted_since_trim * TRIM_EVERY >= self.max_bytes:
+            self._evicted_since_trim = 0
+            release_freed_memory()
 
     def _publish_sizes(self) -> None:
         metrics.CACHE_BYTES.set(self._bytes)
