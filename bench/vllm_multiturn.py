@@ -49,7 +49,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def vllm_server(model: Path, work: Path, max_model_len: int) -> Iterator[tuple[str, psutil.Process]]:
+def vllm_server(
+    model: Path, work: Path, max_model_len: int, *, cache_size: str = "4Gi", max_num_seqs: int = 2
+) -> Iterator[tuple[str, psutil.Process]]:
+    """``rawmm serve --engine vllm`` on 127.0.0.1 (its own process group, stopped on exit): URL and process."""
     store_root = work / "offload"
     store_root.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -65,9 +68,9 @@ def vllm_server(model: Path, work: Path, max_model_len: int) -> Iterator[tuple[s
     command = [
         sys.executable, "-m", "rawmm.cli", "serve", "--engine", "vllm", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--offload-root", str(store_root),
-        "--processor-backend", BACKEND, "--materialize-cache-size", "4Gi",
+        "--processor-backend", BACKEND, "--materialize-cache-size", cache_size,
         "--", "--max-model-len", str(max_model_len), "--enforce-eager", "--dtype", "float32",
-        "--max-num-seqs", "2", "--limit-mm-per-prompt", '{"video": 0}',
+        "--max-num-seqs", str(max_num_seqs), "--limit-mm-per-prompt", '{"video": 0}',
     ]  # fmt: skip
     log = open(work / "serve.log", "wb")  # noqa: SIM115 (closed in finally)
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
