@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -94,3 +96,34 @@ def test_the_engine_item_on_the_uint8_torchvision_path_is_transformers_output(
     assert torch.equal(item.tensors["image_grid_thw"], want["image_grid_thw"][0])
     # The trainer's uint8 batches take the same path.
     assert_identical(get_adapter("qwen_vl")._process(loaded.processor, [image], normalize=False), want)
+
+
+ONE_THREAD_PROBE = """
+import threading, time, numpy as np, torch
+from PIL import Image
+from rawmm.contract import resolve_preset
+from rawmm.materialize import get_adapter, qwen_image_processor
+torch.set_num_threads(2)  # intra-op threads available, as in an engine process
+processor = qwen_image_processor(resolve_preset("qwen2_vl")[1], "torchvision")
+image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (720, 1280, 3), dtype=np.uint8))
+adapter = get_adapter("qwen_vl")
+def run():
+    adapter._process(processor, [image], normalize=False)
+    process, thread = time.process_time(), time.thread_time()
+    for _ in range(5):
+        adapter._process(processor, [image], normalize=False)
+    print(time.process_time() - process, time.thread_time() - thread)
+worker = threading.Thread(target=run)
+worker.start()
+worker.join()
+"""
+
+
+@pytest.mark.slow
+def test_a_uint8_miss_uses_its_worker_thread_alone() -> None:
+    # Worker threads materialize in parallel, one core each: the path must not fan out into torch's
+    # intra-op threads (transformers' patchify does: as much CPU again in helper threads, mostly spinning).
+    # CPU time is what is compared, so other load on the machine does not change the outcome.
+    out = subprocess.run([sys.executable, "-c", ONE_THREAD_PROBE], capture_output=True, text=True, check=True)
+    process_cpu, thread_cpu = map(float, out.stdout.split())
+    assert process_cpu - thread_cpu < 0.1 * thread_cpu, (process_cpu, thread_cpu)
