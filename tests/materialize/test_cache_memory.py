@@ -43,4 +43,3 @@ async def test_a_leased_item_is_never_evicted_and_is_counted_over_budget() -> No
         big = await lease.get("big", lambda: Item(150))  # larger than the budget: kept while leased
         assert big.nbytes == 150 and cache.bytes == 210
     assert "big" not in cache and cache.bytes <= 100 and cache.pinned_bytes == 0
-
