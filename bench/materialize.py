@@ -18,7 +18,11 @@
 5. A burst of misses (1280x720, engine configuration): images/s with 2 worker threads vs 1 (goal >= 1.8x).
 
 Every figure is a median of alternated rounds (other processes share the machine); the load average is
-printed with the results. CPU time is this process's, all threads.
+printed with the results. CPU time is this process's, all threads. Linux shares the cores between sessions
+(autogroups) whatever their nice values, so on a shared machine other sessions' work halves what two
+threads can get; section 5's GIL-free sha256 burst says how much of the cores this run really had. To
+give a run the cores for its minute:
+    setsid bash -c 'echo -10 > /proc/self/autogroup && exec .venv/bin/python bench/materialize.py'
 
     .venv/bin/python bench/materialize.py [--rounds 15] [--turn-image 320x192] [--budget BYTES]
 """
@@ -293,8 +297,9 @@ def thread_sched() -> tuple[float, float]:
 class Timeline:
     """One miss on a worker thread: its wall time is on a CPU + waiting for a CPU (other processes, or more
     threads than cores) + blocked. Nothing on this path sleeps or does I/O (the file is in the page cache),
-    so blocked time is time spent waiting for the GIL. The kernel updates a thread's CPU time at ticks and
-    switches, so one miss's figures are only good to a few ms; means over many misses are not biased."""
+    so blocked time is waiting for the GIL, plus an accounting offset: the kernel brings a thread's CPU time
+    up to date only at ticks and switches, which shows as ~2 ms "blocked" per miss on a pool thread even
+    with one worker and nothing else running (same wall time). Compare blocked between 1 and 2 workers."""
 
     wall: float
     cpu: float
@@ -352,7 +357,7 @@ def bench_burst(store: OffloadStore, loaded: LoadedProcessor, rounds: int) -> No
             for part in ("wall", "cpu", "core_wait", "blocked")
         }
         print(f"   {n} worker(s), per miss: {mean['wall']:5.1f} ms = {mean['cpu']:5.1f} on a CPU + "
-              f"{mean['core_wait']:5.1f} waiting for one + {mean['blocked']:4.1f} blocked (the GIL, the kernel)")  # fmt: skip
+              f"{mean['core_wait']:5.1f} waiting for one + {mean['blocked']:4.1f} blocked")  # fmt: skip
 
 
 def rss_bytes() -> int:
