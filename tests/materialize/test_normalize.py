@@ -12,7 +12,7 @@ from PIL import Image
 
 from rawmm.contract import InvalidImageRef
 from rawmm.materialize import get_adapter, load_processor
-from rawmm.materialize.normalize import PixelNormalizer, normalization_table, uint8_trainer_inputs
+from rawmm.materialize.normalize import PixelNormalizer
 
 CASES = [
     ("tiny_qwen2_vl", "pil"),
@@ -51,14 +51,14 @@ def test_uint8_normalized_on_use_equals_the_processors_pixels_bit_for_bit(
 
 def test_each_channel_has_its_own_row(tiny_qwen2_vl: Path) -> None:
     loaded = load_processor(tiny_qwen2_vl)
-    table = normalization_table(loaded)
+    table = get_adapter(loaded.family.name).normalization_table(loaded.processor)
     assert table.shape == (3, 256) and table.dtype == torch.float32
     assert len({tuple(row.tolist()) for row in table}) == 3  # Qwen's mean/std differ per channel
 
 
 def test_a_micro_batch_of_many_patch_rows_is_normalized_whole(tiny_qwen2_vl: Path) -> None:
     loaded = load_processor(tiny_qwen2_vl)
-    table = normalization_table(loaded)
+    table = get_adapter(loaded.family.name).normalization_table(loaded.processor)
     rows = 2 * 4096 + 5  # more rows than one lookup block, ending in a partial block
     pixels = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (rows, 1176), dtype=np.uint8))
     channel = torch.arange(3).repeat_interleave(1176 // 3).expand(rows, -1)
@@ -75,10 +75,16 @@ def test_normalizing_twice_is_refused(tiny_qwen2_vl: Path) -> None:
 
 def test_uint8_trainer_inputs_keep_the_trainer_paths_checks(tiny_qwen2_vl: Path, make_ref) -> None:  # noqa: ANN001
     loaded = load_processor(tiny_qwen2_vl)
+    adapter = get_adapter("qwen_vl")
     image = every_value_image(90, 60, 0)
     descriptor = make_ref(image, loaded).descriptor()
+
+    def uint8_trainer_inputs(images, descriptors, processor):  # noqa: ANN001, ANN202
+        return adapter.materialize_for_trainer(images, descriptors, processor, normalize=False)
+
     inputs = uint8_trainer_inputs([image], [descriptor], loaded)
-    want = get_adapter("qwen_vl").materialize_for_trainer([image], [descriptor], loaded)
+    assert inputs.kwargs["pixel_values"].dtype == torch.uint8
+    want = adapter.materialize_for_trainer([image], [descriptor], loaded)
     assert inputs.forward_policy == want.forward_policy
     assert torch.equal(inputs.kwargs["image_grid_thw"], want.kwargs["image_grid_thw"])
     assert torch.equal(

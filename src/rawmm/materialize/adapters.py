@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -51,6 +52,25 @@ class FamilyAdapter(ABC):
         if isinstance(processor, TorchvisionBackend):
             return "torchvision"
         raise ValueError(f"{type(processor).__name__} is neither a PIL nor a torchvision image processor")
+
+    def normalization_table(self, processor: Any) -> torch.Tensor:
+        """``(channels, 256)`` float32: ``table[c, v]`` is what ``processor`` makes of uint8 value ``v`` in
+        channel ``c``, computed by the processor's *own* ops on the 256 values, so its op order holds by
+        construction: the torchvision backend's fused ``(x - 255·mean) / (255·std)``, the PIL backend's
+        float64 rescale then float32 normalize, each only when enabled."""
+        channels = len(processor.image_mean)
+        values = np.tile(np.arange(256, dtype=np.uint8), (channels, 1))[:, None, :]  # a (C, 1, 256) image
+        mean, std = tuple(processor.image_mean), tuple(processor.image_std)
+        if self.backend_of(processor) == "torchvision":
+            flags = processor.do_rescale, processor.rescale_factor, processor.do_normalize
+            out = processor.rescale_and_normalize(torch.from_numpy(values)[None], *flags, mean, std)[0]
+        else:
+            out = values
+            if processor.do_rescale:
+                out = processor.rescale(out, processor.rescale_factor)
+            if processor.do_normalize:
+                out = processor.normalize(out, mean, std)
+        return torch.as_tensor(np.asarray(out, dtype=np.float32)).reshape(channels, 256).contiguous()
 
     @abstractmethod
     def _process(
@@ -124,15 +144,19 @@ class FamilyAdapter(ABC):
         images: Sequence[Image.Image],
         descriptors: Sequence[RawImageDescriptor],
         processor: LoadedProcessor,
+        *,
+        normalize: bool = True,
     ) -> TrainerInputs:
-        """A batch of images (prompt order) as the model's kwargs, each image's grid checked."""
+        """A batch of images (prompt order) as the model's kwargs, each image's grid checked.
+
+        ``normalize=False``: ``pixel_values`` stay the uint8 patches, for ``PixelNormalizer`` where they are used."""
         if len(images) != len(descriptors):
             raise InvalidImageRef(
                 "count_mismatch", f"{len(images)} images for {len(descriptors)} descriptors"
             )
         for descriptor in descriptors:
             self.check_descriptor(descriptor, processor)
-        outputs = self._process(processor.processor, images)
+        outputs = self._process(processor.processor, images, normalize=normalize)
         self._check_grids(outputs[self.grid_key], descriptors)
         return TrainerInputs(kwargs=outputs, forward_policy=self.forward_policy)
 
@@ -180,6 +204,10 @@ class KimiK25Adapter(FamilyAdapter):
         if not isinstance(processor, KimiK25ImageProcessor):
             raise ValueError(f"{type(processor).__name__} is not rawmm's Kimi K2.5 image processor")
         return processor.backend
+
+    def normalization_table(self, processor: Any) -> torch.Tensor:
+        table: torch.Tensor = processor.normalization_table()
+        return table
 
     def _process(
         self, processor: Any, images: Sequence[Image.Image], *, normalize: bool = True

@@ -34,6 +34,10 @@ class KimiK25ImageProcessor:
         # Every uint8 value of every channel, normalized once: (256, 3).
         self._lut = ((np.arange(256, dtype=np.float32)[:, None] / 255.0 - mean) / std).astype(np.float32)
 
+    def normalization_table(self) -> torch.Tensor:
+        """``(3, 256)`` float32: what normalizing makes of each uint8 value per channel (``PixelNormalizer``)."""
+        return torch.from_numpy(np.ascontiguousarray(self._lut.T))
+
     @property
     def media_proc_cfg(self) -> dict[str, Any]:
         """The config in the checkpoint's ``media_proc_cfg`` vocabulary."""

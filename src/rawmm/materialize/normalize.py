@@ -3,55 +3,28 @@
 Items and trainer micro-batches can hold the resized pixels as ``uint8`` patches (4x smaller than float32) and
 leave rescale and normalize to the place the tensor is used (the trainer's device, the transformers engine).
 Per channel that transform maps 256 values to 256 values, so it is a table, built once by the processor's
-*own* ops on the 256 values: the torchvision backend's fused ``(x - 255·mean) / (255·std)``, the PIL
-backend's float64 rescale then float32 normalize, our Kimi processor's table. Its op order is reproduced by
-construction, and applying it is a lookup with no arithmetic, so the result has the same bits on any device.
+*own* ops on the 256 values (each family's adapter builds it: ``FamilyAdapter.normalization_table``). Its op
+order is reproduced by construction, and applying it is a lookup with no arithmetic, so the result has the same bits on any device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
 
-import numpy as np
 import torch
-from PIL import Image
 
-from rawmm.contract import InvalidImageRef, RawImageDescriptor
 from rawmm.materialize.adapters import get_adapter
-from rawmm.materialize.items import TrainerInputs
-from rawmm.materialize.kimi import KimiK25ImageProcessor
 from rawmm.materialize.processor import LoadedProcessor
 
 PIXEL_KEY = "pixel_values"  # the one image kwarg normalization applies to, in every family
 _BLOCK_ROWS = 4096  # patch rows per lookup block: a Qwen block's int32 index is 18 MiB
 
 
-def normalization_table(processor: LoadedProcessor) -> torch.Tensor:
-    """``(channels, 256)`` float32: ``table[c, v]`` is what ``processor`` makes of value ``v`` in channel ``c``."""
-    image_processor: Any = processor.processor
-    if isinstance(image_processor, KimiK25ImageProcessor):
-        return torch.from_numpy(np.ascontiguousarray(image_processor._lut.T))
-    channels = len(image_processor.image_mean)
-    values = np.tile(np.arange(256, dtype=np.uint8), (channels, 1))[:, None, :]  # a (C, 1, 256) image
-    flags = image_processor.do_rescale, image_processor.rescale_factor, image_processor.do_normalize
-    mean, std = tuple(image_processor.image_mean), tuple(image_processor.image_std)
-    if processor.backend == "torchvision":
-        out = image_processor.rescale_and_normalize(torch.from_numpy(values)[None], *flags, mean, std)[0]
-    else:  # the PIL backend's _preprocess: rescale, then normalize, each only when enabled
-        out = values
-        if image_processor.do_rescale:
-            out = image_processor.rescale(out, image_processor.rescale_factor)
-        if image_processor.do_normalize:
-            out = image_processor.normalize(out, mean, std)
-    return torch.as_tensor(np.asarray(out, dtype=np.float32)).reshape(channels, 256).contiguous()
-
-
 class PixelNormalizer:
     """Normalizes uint8 ``pixel_values`` (any family's patch layout: channel-major within a patch row)."""
 
     def __init__(self, processor: LoadedProcessor) -> None:
-        self._table = normalization_table(processor)
+        self._table = get_adapter(processor.family.name).normalization_table(processor.processor)
         self._per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -85,18 +58,3 @@ class PixelNormalizer:
             offsets = (torch.arange(channels, dtype=torch.int32) * 256).view(1, channels, 1)
             self._per_device[device] = (self._table.to(device), offsets.to(device))
         return self._per_device[device]
-
-
-def uint8_trainer_inputs(
-    images: Sequence[Image.Image], descriptors: Sequence[RawImageDescriptor], processor: LoadedProcessor
-) -> TrainerInputs:
-    """``FamilyAdapter.materialize_for_trainer`` (same checks, same kwargs) with uint8 ``pixel_values``:
-    exactly what ``PixelNormalizer`` turns into that method's normalized pixels."""
-    adapter = get_adapter(processor.family.name)
-    if len(images) != len(descriptors):
-        raise InvalidImageRef("count_mismatch", f"{len(images)} images for {len(descriptors)} descriptors")
-    for descriptor in descriptors:
-        adapter.check_descriptor(descriptor, processor)
-    outputs = adapter._process(processor.processor, images, normalize=False)
-    adapter._check_grids(outputs[adapter.grid_key], descriptors)
-    return TrainerInputs(kwargs=outputs, forward_policy=adapter.forward_policy)

@@ -38,7 +38,7 @@ from rawmm.materialize import (
     get_adapter,
     read_ref_image,
 )
-from rawmm.materialize.normalize import PixelNormalizer, uint8_trainer_inputs
+from rawmm.materialize.normalize import PixelNormalizer
 from rawmm.rl.packing import PackedMicroBatch
 from rawmm.rl.samples import MMImageRef
 
@@ -169,7 +169,7 @@ class RawImageMaterializer:
         pixels = read_ref_image(
             descriptor, mm_hash=image.mm_hash, roots=self.roots, max_pixels=self.max_pixels
         )
-        inputs = uint8_trainer_inputs([pixels], [descriptor], self.processor).kwargs
+        inputs = self._uint8_inputs([pixels], [descriptor])
         metrics.MATERIALIZE_SECONDS.labels(side="trainer").observe(time.perf_counter() - started)
         self.stats.materialized += 1
         self.stats.held_bytes += sum(t.nbytes for t in inputs.values())
@@ -183,7 +183,15 @@ class RawImageMaterializer:
         _, grid_h, grid_w = self.processor.family.grid_from_payload(descriptor.payload)
         patch = self.processor.config.patch_size
         stand_in = Image.new("RGB", (grid_w * patch, grid_h * patch))
-        return uint8_trainer_inputs([stand_in], [descriptor], self.processor).kwargs
+        return self._uint8_inputs([stand_in], [descriptor])
+
+    def _uint8_inputs(
+        self, images: Sequence[Image.Image], descriptors: Sequence[RawImageDescriptor]
+    ) -> dict[str, torch.Tensor]:
+        # Held as uint8 patches (a quarter of float32) until the forward normalizes them on its device.
+        return self.adapter.materialize_for_trainer(
+            images, descriptors, self.processor, normalize=False
+        ).kwargs
 
     def _handle_missing(self, missing: list[MissingImage]) -> None:
         if self.policy == "error":
