@@ -68,6 +68,17 @@ async def quiescent(cache: MaterializeCache[EngineItem]) -> None:
         await asyncio.sleep(0 if not busy else 0.005)
 
 
+async def budgeted(
+    loaded: LoadedProcessor, store: OffloadStore, image: FeatureImage, *, items: float
+) -> tuple[RequestImages, int, int]:
+    """Request images over a cache whose budget is ``items`` times ``image``'s item size; with that size and budget."""
+    probe = RequestImages(loaded, roots=[store.root], cache=MaterializeCache(0), max_pixels=10**8)
+    size = (await probe.materialize([image]))[0].item.nbytes
+    budget = int(items * size)
+    cache: MaterializeCache[EngineItem] = MaterializeCache(budget)
+    return RequestImages(loaded, roots=[store.root], cache=cache, max_pixels=10**8), size, budget
+
+
 async def run_burst(request_images: RequestImages, requests: list[list[FeatureImage]]) -> tuple[int, int]:
     """All ``requests`` at once, each holding its items until the driver releases it (oldest first, only
     once nothing else can progress). Returns the peak live bytes and the most requests holding at once."""
@@ -101,12 +112,7 @@ async def test_a_burst_of_requests_holds_at_most_the_budget_plus_one_item(
     loaded: LoadedProcessor, offload_store: OffloadStore
 ) -> None:
     images = same_size_images(offload_store, loaded, 12)
-    probe = RequestImages(loaded, roots=[offload_store.root], cache=MaterializeCache(0), max_pixels=10**8)
-    size = (await probe.materialize(images[:1]))[0].item.nbytes
-    budget = int(3.5 * size)
-    request_images = RequestImages(
-        loaded, roots=[offload_store.root], cache=MaterializeCache(budget), max_pixels=10**8
-    )
+    request_images, size, budget = await budgeted(loaded, offload_store, images[0], items=3.5)
     peak, most = await run_burst(request_images, [[image] for image in images])
     # Without the lease's admission all twelve hold at once (12 items); with it, at most what fits.
     assert peak <= budget + size, (peak, budget, size)
@@ -118,12 +124,7 @@ async def test_a_request_larger_than_the_budget_runs_when_oldest_then_the_cache_
     loaded: LoadedProcessor, offload_store: OffloadStore
 ) -> None:
     images = same_size_images(offload_store, loaded, 8)
-    probe = RequestImages(loaded, roots=[offload_store.root], cache=MaterializeCache(0), max_pixels=10**8)
-    size = (await probe.materialize(images[:1]))[0].item.nbytes
-    budget = int(2.5 * size)
-    request_images = RequestImages(
-        loaded, roots=[offload_store.root], cache=MaterializeCache(budget), max_pixels=10**8
-    )
+    request_images, size, budget = await budgeted(loaded, offload_store, images[0], items=2.5)
     big = images[:5]  # five items: twice the budget
     peak, _ = await run_burst(request_images, [[images[5]], big, [images[6]], [images[7]]])
     assert peak <= budget + len(big) * size
