@@ -89,6 +89,7 @@ demo: $(INSTALLED)
 # ruff over everything; mypy over src and operator (pyproject's [tool.mypy]: strict on the typed core).
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check src operator tests bench
+	$(VENV)/bin/ruff format --check src operator tests bench
 	$(VENV)/bin/mypy
 
 clean:

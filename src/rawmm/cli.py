@@ -54,7 +54,9 @@ COMMANDS: dict[str, Command] = {
         "manifests", "write the RLRun CRD generated from the models, or render a run's children", "operator"
     ),
     # reading rollout batches needs msgspec; the /metrics of --watch need prometheus-client
-    "gc": Command("gc", "remove offload images unused for a while that no rollout batch still needs", "trainer"),
+    "gc": Command(
+        "gc", "remove offload images unused for a while that no rollout batch still needs", "trainer"
+    ),
 }
 
 
