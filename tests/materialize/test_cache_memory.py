@@ -6,6 +6,9 @@ the cache releases them after each eighth of its budget evicted; bench/engine_me
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -43,3 +46,82 @@ async def test_a_leased_item_is_never_evicted_and_is_counted_over_budget() -> No
         big = await lease.get("big", lambda: Item(150))  # larger than the budget: kept while leased
         assert big.nbytes == 150 and cache.bytes == 210
     assert "big" not in cache and cache.bytes <= 100 and cache.pinned_bytes == 0
+
+
+async def test_a_waiting_miss_joins_the_same_key_once_another_lease_caches_it() -> None:
+    """Budget 90, 60 pinned: two leases want the same 50-byte key. The first gets room when the pin goes; the
+    second must not wait for room for an item that is cached by then (nor count it twice)."""
+    cache: MaterializeCache[Item] = MaterializeCache(90)
+    runs: list[str] = []
+    second_done = asyncio.Event()
+    release_second = asyncio.Event()
+
+    def work(key: str, size: int) -> Callable[[], Item]:
+        return lambda: runs.append(key) or Item(size)
+
+    async def holder(ready: asyncio.Event, release: asyncio.Event) -> None:
+        async with cache.lease() as lease:
+            await lease.get("pinned", work("pinned", 60))
+            ready.set()
+            await release.wait()
+
+    async def wants_shared(got: asyncio.Event, release: asyncio.Event | None = None) -> None:
+        async with cache.lease() as lease:
+            await lease.get("shared", work("shared", 50), expected_bytes=lambda: 50)
+            got.set()
+            if release is not None:
+                await release.wait()  # keeps "shared" pinned: its "generation" is still running
+
+    pinned, release_pin, first_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    hold = asyncio.create_task(holder(pinned, release_pin))
+    await pinned.wait()
+    first = asyncio.create_task(wants_shared(first_done, release_second))
+    second = asyncio.create_task(wants_shared(second_done))
+    await asyncio.sleep(0)  # both are waiting for room behind the oldest lease's 60 pinned bytes
+    assert not first_done.is_set() and not second_done.is_set()
+    release_pin.set()
+    await hold
+    await asyncio.wait_for(first_done.wait(), 5)
+    # The first lease still holds "shared"; the second joins it at once instead of waiting for room.
+    await asyncio.wait_for(second_done.wait(), 5)
+    assert runs == ["pinned", "shared"]
+    release_second.set()
+    await asyncio.gather(first, second)
+
+
+async def test_waiting_misses_are_sized_once_the_first_item_teaches_the_size() -> None:
+    """Before any item, a miss's size is unknown and such misses run one at a time; the waiting ones ask their
+    size again, so once the first item has taught it they are admitted together (not one by one)."""
+    cache: MaterializeCache[Item] = MaterializeCache(1000)
+    known: list[int] = []
+    first, rest = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def work() -> Item:
+        calls.append(len(calls))
+        assert (first if len(calls) == 1 else rest).wait(5)
+        known.append(10)  # what RequestImages learns from its first item
+        return Item(10)
+
+    async def settle() -> None:
+        for _ in range(50):  # let every task run to its next wait
+            await asyncio.sleep(0)
+
+    async def one(key: str) -> None:
+        async with cache.lease() as lease:
+            await lease.get(key, work, expected_bytes=lambda: known[0] if known else None)
+
+    async with cache.lease() as oldest:  # the oldest lease never waits: keep it out of the way
+        await oldest.get("warm", lambda: Item(10))
+        tasks = [asyncio.create_task(one(f"k{i}")) for i in range(4)]
+        await settle()
+        assert (cache._unsized, cache._reserved) == (1, 0)  # unknown size: one at a time
+        first.set()
+        async with asyncio.timeout(5):
+            while len(cache) < 2:  # the first miss is stored
+                await asyncio.sleep(0.01)
+        await settle()
+        assert (cache._unsized, cache._reserved) == (0, 3 * 10)  # the other three, now sized, run together
+        rest.set()
+        await asyncio.gather(*tasks)
+    assert (cache._unsized, cache._reserved) == (0, 0)

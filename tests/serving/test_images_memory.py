@@ -144,7 +144,9 @@ async def test_a_failed_or_cancelled_request_releases_its_items(
     with pytest.raises(InvalidImageRef):
         async with request_images.hold([good, missing]):
             pass
-    assert cache.pinned_bytes == 0 and len(cache) == 1  # the good item stays cached, unpinned
+    assert cache.pinned_bytes == 0
+    await quiescent(cache)  # the good item's work, started before its sibling failed, finishes
+    assert len(cache) == 1 and cache.pinned_bytes == 0  # and stays cached, unpinned
 
     entered = asyncio.Event()
 
@@ -160,3 +162,47 @@ async def test_a_failed_or_cancelled_request_releases_its_items(
     with pytest.raises(asyncio.CancelledError):
         await task
     assert cache.pinned_bytes == 0 and not cache._leases
+
+
+async def test_an_absurd_grid_claim_is_a_client_error_not_an_overflow(
+    loaded: LoadedProcessor, offload_store: OffloadStore
+) -> None:
+    """Once the bytes per patch are known, a ref claiming a 10**400-patch grid is estimated (capped at the
+    budget), waits its turn and fails its materialization's grid check: a 4xx reason, never an OverflowError."""
+    good, bad = same_size_images(offload_store, loaded, 2)
+    request_images, _, budget = await budgeted(loaded, offload_store, good, items=3)
+    async with request_images.hold([good]):
+        pass  # the bytes per patch are learned
+    absurd = dataclasses.replace(bad.ref, payload={"image_grid_thw": [[1, 10**200, 10**200]]})
+    assert request_images._expected_bytes(FeatureImage("image", absurd, 5, bad.length)) == budget
+    with pytest.raises(InvalidImageRef) as caught:
+        async with request_images.hold([FeatureImage("image", absurd, 5, bad.length)]):
+            pass
+    assert caught.value.reason == "grid_mismatch"
+
+
+async def test_a_failing_image_fails_its_request_without_waiting_for_its_siblings(
+    loaded: LoadedProcessor, offload_store: OffloadStore
+) -> None:
+    """A request whose one ref is bad answers at once, though its other image waits for room behind an older
+    request's held items; the waiting sibling is cancelled and the lease left clean."""
+    images = same_size_images(offload_store, loaded, 3)
+    request_images, _, _ = await budgeted(loaded, offload_store, images[0], items=1.5)
+    missing = dataclasses.replace(images[2].ref, raw_image_uri=images[2].ref.raw_image_uri + ".gone")
+    older_holds, older_release = asyncio.Event(), asyncio.Event()
+
+    async def older() -> None:
+        async with request_images.hold([images[0]]):
+            older_holds.set()
+            await older_release.wait()
+
+    holder = asyncio.create_task(older())
+    await older_holds.wait()
+    with pytest.raises(InvalidImageRef) as caught:
+        async with asyncio.timeout(WAIT):  # without the fail-fast this waits for the older request, forever
+            async with request_images.hold([images[1], FeatureImage("image", missing, 5, images[2].length)]):
+                pass
+    assert caught.value.reason in {"missing_file", "outside_offload_root"}
+    older_release.set()
+    await holder
+    assert request_images.cache.pinned_bytes == 0 and request_images.cache._reserved == 0

@@ -256,11 +256,17 @@ async def test_a_drifted_receiver_cache_is_resent_once_with_the_data(
 def test_vllms_multimodal_cache_defaults_to_the_materialize_budget(tiny_qwen2_vl: Path) -> None:
     from rawmm.serving.vllm_server import parse_vllm_args
 
-    def cache_gb(*extra: str) -> float:
+    def cache_gb(*extra: str, budget: int | None = 2**29) -> float:
         args = parse_vllm_args(
-            model=str(tiny_qwen2_vl), host="127.0.0.1", port=8100, vllm_args=list(extra), mm_cache_bytes=2**29
+            model=str(tiny_qwen2_vl),
+            host="127.0.0.1",
+            port=8100,
+            vllm_args=list(extra),
+            mm_cache_bytes=budget,
         )
         return float(args.mm_processor_cache_gb)
 
     assert cache_gb() == 0.5
     assert cache_gb("--mm-processor-cache-gb", "1.5") == 1.5  # the user's choice stands
+    # Our cache off does not turn vLLM's off (and with it the engine-core dedupe): vLLM's default stays.
+    assert cache_gb(budget=0) == cache_gb(budget=None) > 0

@@ -2,7 +2,8 @@
 
 The server (`rawmm.serving.routes`) parses requests and writes responses with these models, and the
 orchestrator's client (`rawmm.rl.orchestrator.engine_client`) builds requests and parses responses with the
-same ones, so the two cannot drift apart. Every 4xx/5xx body is an `ErrorResponse`.
+same ones, so the two cannot drift apart. Every 4xx/5xx body of generate and weights is an `ErrorResponse`;
+`/health` answers a `HealthResponse`, or 503 with the engine's failure.
 """
 
 from __future__ import annotations

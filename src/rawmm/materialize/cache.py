@@ -183,15 +183,26 @@ class MaterializeCache(Generic[T]):
             self._publish_sizes()
             await self._notify_room()
 
-    async def _admit(self, lease: Lease[T], expected: int | None) -> None:
-        """Wait until a miss of ``expected`` bytes (``None``: unknown) fits beside what is held and reserved."""
+    async def _reserve(
+        self, lease: Lease[T], key: str, estimate: Callable[[], int | None]
+    ) -> tuple[bool, int | None]:
+        """Wait until a miss of ``key`` fits beside what is held and reserved, then reserve its expected bytes.
+
+        ``estimate`` is asked again at every check (the bytes per patch may be learned meanwhile; ``None``:
+        unknown). Returns ``(False, None)``, reserving nothing, when another lease cached or started ``key``
+        meanwhile: the caller then joins that work for free.
+        """
         if self._room is None:
             self._room = asyncio.Condition()
 
+        def taken() -> bool:
+            return key in self._items or key in self._inflight
+
         def fits() -> bool:
             # Unpinned items do not count: the store evicts them to make room.
-            if self._leases[0] is lease:
+            if taken() or self._leases[0] is lease:
                 return True
+            expected = estimate()
             held = self.pinned_bytes + self._reserved
             if expected is None:
                 return self._unsized == 0 and held < self.max_bytes
@@ -199,10 +210,14 @@ class MaterializeCache(Generic[T]):
 
         async with self._room:
             await self._room.wait_for(fits)
+        if taken():
+            return False, None
+        expected = estimate()
         if expected is None:
             self._unsized += 1
         else:
             self._reserved += expected
+        return True, expected
 
     def _settle(self, expected: int | None) -> None:
         if expected is None:
@@ -276,8 +291,11 @@ class Lease(Generic[T]):
         self._cache = cache
         self.keys: list[str] = []
 
-    async def get(self, key: str, work: Callable[[], T], *, expected_bytes: int | None = None) -> T:
-        """``MaterializeCache.get``, pinned for the lease; a miss first waits for room for ``expected_bytes``."""
+    async def get(
+        self, key: str, work: Callable[[], T], *, expected_bytes: Callable[[], int | None] = lambda: None
+    ) -> T:
+        """``MaterializeCache.get``, pinned for the lease; a miss first waits for room for ``expected_bytes()``
+        (asked again while it waits), unless another lease caches or starts the same key meanwhile."""
         cache = self._cache
         if not cache.enabled:
             return await cache.get(key, work)
@@ -285,9 +303,11 @@ class Lease(Generic[T]):
         self.keys.append(key)
         if key in cache or key in cache._inflight:
             return await cache.get(key, work)
-        await cache._admit(self, expected_bytes)
+        reserved, expected = await cache._reserve(self, key, expected_bytes)
+        if not reserved:
+            return await cache.get(key, work)
         try:
             return await cache.get(key, work)
         finally:
-            cache._settle(expected_bytes)
+            cache._settle(expected)
             await cache._notify_room()

@@ -23,12 +23,13 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
-from rawmm.contract import FeatureImage, InvalidImageRef, parse_features
+from rawmm.contract import FeatureImage, InvalidImageRef, parse_features, resolve_uri
 from rawmm.materialize import (
     EngineItem,
     LoadedProcessor,
     MaterializeCache,
     cache_key,
+    get_adapter,
     materialize_engine_item,
 )
 from rawmm.materialize.read import header_pixels
@@ -106,19 +107,30 @@ class RequestImages:
 
     @asynccontextmanager
     async def hold(self, images: Sequence[FeatureImage]) -> AsyncIterator[list[ImageInput]]:
-        """``materialize`` for a request that uses its items inside the block: they stay leased until it exits."""
+        """``materialize`` for a request that uses its items inside the block: they stay leased until it exits.
+
+        The first image that fails fails the request at once: its siblings are cancelled (and settled before
+        the lease ends), so a bad ref's 4xx never waits for room the others are waiting for."""
         async with self.cache.lease() as lease:
-            got = await asyncio.gather(
-                *(
-                    lease.get(self._key(image), self._work(image), expected_bytes=self._expected_bytes(image))
-                    for image in images
-                ),
-                return_exceptions=True,  # every item settled before the lease ends
-            )
-            for outcome in got:
-                if isinstance(outcome, BaseException):
-                    raise outcome
-            yield [ImageInput(image, item) for image, item in zip(images, got, strict=True)]  # type: ignore[arg-type]
+
+            async def get(image: FeatureImage) -> EngineItem:
+                key = self._key(image)
+                if self.cache.enabled and key not in self.cache:
+                    # A miss may wait for room: a ref that cannot be materialized is refused before it waits
+                    # (on the loop: a stat, no read; a thread hop would cost more than it saves).
+                    self._precheck(image)
+                expected = functools.partial(self._expected_bytes, image)
+                return await lease.get(key, self._work(image), expected_bytes=expected)
+
+            tasks = [asyncio.ensure_future(get(image)) for image in images]
+            try:
+                got = await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+            yield [ImageInput(image, item) for image, item in zip(images, got, strict=True)]
 
     def _key(self, image: FeatureImage) -> str:
         return cache_key(
@@ -127,6 +139,12 @@ class RequestImages:
             placeholder_length=image.length,
             processor_identity=self.processor.identity,
         )
+
+    def _precheck(self, image: FeatureImage) -> None:
+        """The checks of a miss that need no pixels: family, modality and fingerprint, and a file confined to
+        the roots that exists (``InvalidImageRef`` with the materialization's own reasons)."""
+        get_adapter(image.ref.family).check_descriptor(image.ref.descriptor(), self.processor)
+        resolve_uri(image.ref.raw_image_uri, self.roots)
 
     def _work(self, image: FeatureImage) -> functools.partial[EngineItem]:
         return functools.partial(self._materialize, image)
@@ -139,9 +157,14 @@ class RequestImages:
             return 0
 
     def _expected_bytes(self, image: FeatureImage) -> int | None:
+        """The item's size the ref's grid claims, capped at the cache budget (a claim is only a claim: an
+        absurd grid then waits its turn as the oldest lease and fails its materialization's checks)."""
         if self._bytes_per_patch is None:
             return None
-        return math.ceil(self._patches(image) * self._bytes_per_patch)
+        cap = self.cache.max_bytes
+        # Every patch takes at least one byte, so a claim of more patches than the budget has bytes is capped
+        # before it meets a float (a 10**400-patch grid would overflow one).
+        return min(cap, math.ceil(min(self._patches(image), cap) * self._bytes_per_patch))
 
     def _materialize(self, image: FeatureImage) -> EngineItem:
         # A header that cannot be read admits nothing: materialization then fails with the right reason.

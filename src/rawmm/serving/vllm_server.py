@@ -56,7 +56,8 @@ def parse_vllm_args(
 ) -> argparse.Namespace:
     """vLLM's server arguments: ours plus the user's; ``VllmArgsError`` if the user's touch a reserved one.
 
-    ``mm_cache_bytes`` (the materialize cache's budget) sizes vLLM's multimodal cache unless the user does.
+    ``mm_cache_bytes`` (the materialize cache's budget) sizes vLLM's multimodal cache unless the user does or it
+    is 0 (our cache off leaves vLLM's at its default).
     """
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
 
@@ -81,7 +82,8 @@ def parse_vllm_args(
             )
         )
     defaults = []
-    if mm_cache_bytes is not None and user.mm_processor_cache_gb is unset:
+    # With our cache off (0), vLLM keeps its own default: a 0 here would turn off its engine-core dedupe too.
+    if mm_cache_bytes and user.mm_processor_cache_gb is unset:
         defaults = ["--mm-processor-cache-gb", str(mm_cache_bytes / 2**30)]
     args = parser.parse_args(
         ["--model", model, "--host", host, "--port", str(port), "--logprobs-mode", LOGPROBS_MODE, *defaults]
