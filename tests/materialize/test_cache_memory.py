@@ -27,13 +27,29 @@ async def test_evicting_an_eighth_of_the_budget_releases_freed_memory(
 ) -> None:
     releases: list[int] = []
     cache: MaterializeCache[Item] = MaterializeCache(800)
-    monkeypatch.setattr(cache_module, "release_freed_memory", lambda: releases.append(cache.stats.evictions))
+    monkeypatch.setattr(
+        cache_module, "release_freed_memory_soon", lambda: releases.append(cache.stats.evictions)
+    )
     for index in range(40):
         await cache.get(f"k{index}", lambda: Item(50))
     # 800 bytes hold 16 items: 24 evicted, 50 bytes each; a release after every 100 bytes (800 / 8).
     assert cache.stats.evictions == 24
     assert releases == list(range(100 // 50, 25, 100 // 50))
     assert TRIM_EVERY == 800 // 100
+
+
+def test_memory_is_released_off_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The event loop never waits for a trim: it runs on a thread of its own."""
+    ran = threading.Event()
+    threads: list[threading.Thread] = []
+
+    def release() -> None:
+        threads.append(threading.current_thread())
+        ran.set()
+
+    monkeypatch.setattr(cache_module, "release_freed_memory", release)
+    cache_module.release_freed_memory_soon()
+    assert ran.wait(5) and threads[0] is not threading.current_thread()
 
 
 async def test_a_leased_item_is_never_evicted_and_is_counted_over_budget() -> None:
