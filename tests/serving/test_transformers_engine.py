@@ -9,10 +9,10 @@ import pytest
 from PIL import Image
 
 from rawmm.contract import FeatureImage, OffloadStore, describe_stored_image, encode_ref, parse_ref
+from rawmm.contract.engine_api import Sampling
 from rawmm.materialize import MaterializeCache, load_processor
 from rawmm.serving.engine import ImageInput
 from rawmm.serving.images import RequestImages
-from rawmm.serving.schemas import Sampling
 from rawmm.serving.transformers_engine import TransformersEngine
 
 

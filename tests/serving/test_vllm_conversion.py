@@ -16,9 +16,9 @@ import torch
 from PIL import Image
 
 from rawmm.contract import FeatureImage, OffloadStore, describe_stored_image, encode_ref, parse_ref
+from rawmm.contract.engine_api import Sampling
 from rawmm.materialize import collate, get_adapter, load_processor, read_ref_image
 from rawmm.serving.engine import ImageInput
-from rawmm.serving.schemas import Sampling
 
 pytestmark = pytest.mark.slow  # importing vllm takes ~10 s: done in a fixture, not at collection
 

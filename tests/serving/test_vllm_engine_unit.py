@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from rawmm.contract.engine_api import Sampling
 from rawmm.materialize import load_processor
 from rawmm.serving.engine import EngineUnavailable, InvalidRequest
-from rawmm.serving.schemas import Sampling
 
 pytestmark = pytest.mark.slow  # imports vllm (~10 s)
 

@@ -9,8 +9,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from rawmm.contract import FeatureImage
+from rawmm.contract.engine_api import Sampling
 from rawmm.materialize import EngineItem, LoadedProcessor
-from rawmm.serving.schemas import Sampling
 
 
 class InvalidRequest(ValueError):

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
+from rawmm.contract.engine_api import Sampling
 from rawmm.materialize import LoadedProcessor, collate
 from rawmm.materialize.normalize import PixelNormalizer
 from rawmm.serving.engine import Engine, Generation, ImageInput, InvalidRequest
 from rawmm.serving.sampling import sample_token
-from rawmm.serving.schemas import Sampling
 
 log = logging.getLogger(__name__)
 

@@ -43,9 +43,9 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from rawmm import metrics
+from rawmm.contract.engine_api import Sampling
 from rawmm.materialize import EngineItem, FieldKind, LoadedProcessor, get_adapter
 from rawmm.serving.engine import Engine, EngineUnavailable, Generation, ImageInput, InvalidRequest
-from rawmm.serving.schemas import Sampling
 
 log = logging.getLogger(__name__)
 
