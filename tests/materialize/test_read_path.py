@@ -37,12 +37,55 @@ def reason_of(excinfo: pytest.ExceptionInfo[InvalidImageRef]) -> str:
     return excinfo.value.reason
 
 
-def test_reads_the_stored_image_as_rgb(offload_store: OffloadStore) -> None:
-    pixels = np.random.default_rng(0).integers(0, 256, (5, 7, 4), dtype=np.uint8)
-    stored = offload_store.put(Image.fromarray(pixels, mode="RGBA"))
-    image = read_ref_image(descriptor(stored.uri), mm_hash=stored.mm_hash, roots=[offload_store.root])
-    assert image.mode == "RGB" and image.size == (7, 5)
-    assert np.array_equal(np.asarray(image), pixels[..., :3])
+def encoded(image: Image.Image, fmt: str = "PNG", **save: object) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **save)
+    return buffer.getvalue()
+
+
+def rotated_jpeg(orientation: int) -> bytes:
+    """A 7x5 JPEG whose EXIF says to show it turned (6: 90° clockwise, so displayed 5x7)."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    pixels = np.random.default_rng(orientation).integers(0, 256, (5, 7, 3), dtype=np.uint8)
+    return encoded(Image.fromarray(pixels), "JPEG", exif=exif.tobytes(), quality=95)
+
+
+def transparent_images() -> dict[str, bytes]:
+    rng = np.random.default_rng(0)
+    rgba = Image.fromarray(rng.integers(0, 256, (5, 7, 4), dtype=np.uint8), mode="RGBA")
+    la = Image.fromarray(rng.integers(0, 256, (5, 7, 2), dtype=np.uint8), mode="LA")
+    palette = Image.fromarray(rng.integers(0, 4, (5, 7), dtype=np.uint8), mode="P")
+    palette.putpalette([255, 0, 0, 0, 255, 0, 0, 0, 255, 9, 9, 9])
+    return {
+        "rgba": encoded(rgba),
+        "la": encoded(la),
+        "palette with a transparent index": encoded(palette, transparency=2),
+        "rgb with a transparent colour": encoded(Image.new("RGB", (7, 5), (1, 2, 3)), transparency=(1, 2, 3)),
+    }
+
+
+@pytest.mark.parametrize(
+    "name", [*transparent_images(), "exif orientation 6", "exif orientation 3", "exif orientation 8"]
+)
+def test_the_read_image_is_what_vllms_own_loader_makes_of_the_bytes(
+    name: str, offload_store: OffloadStore
+) -> None:
+    """Raw refs must reach the model as data URLs of the same bytes do on vLLM: the same orientation, and
+    transparency over white (not the colours under it); the stored size (hence the layout) is the displayed one."""
+    from vllm.multimodal.media.image import ImageMediaIO
+
+    data = transparent_images()[name] if name in transparent_images() else rotated_jpeg(int(name[-1]))
+    stored = offload_store.put(data)
+    ours = read_ref_image(descriptor(stored.uri), mm_hash=stored.mm_hash, roots=[offload_store.root])
+    theirs = ImageMediaIO().load_bytes(data).media
+    assert ours.mode == theirs.mode == "RGB"
+    assert ours.size == theirs.size == (stored.width, stored.height)
+    assert np.array_equal(np.asarray(ours), np.asarray(theirs))
+    if name == "exif orientation 6":
+        assert (stored.width, stored.height) == (5, 7)
+    if name == "rgba":
+        assert not np.array_equal(np.asarray(ours), np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
 
 
 def test_a_ref_whose_own_hash_differs_from_the_outer_hash_is_rejected(offload_store: OffloadStore) -> None:

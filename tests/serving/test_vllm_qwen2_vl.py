@@ -29,6 +29,7 @@ from vllm_harness import (
     check_four_turns_resending_images,
     check_images_of_different_sizes,
     check_one_image,
+    check_transparent_and_rotated_images,
     picture,
     raw_tokens,
     tiny,
@@ -75,6 +76,10 @@ def test_images_of_different_sizes_equal_vllms_own_path(server: VllmServer) -> N
 
 def test_four_turns_resending_earlier_images_equal_vllms_own_path(server: VllmServer) -> None:
     check_four_turns_resending_images(server)
+
+
+def test_transparent_and_exif_rotated_images_equal_vllms_own_path(server: VllmServer) -> None:
+    check_transparent_and_rotated_images(server)
 
 
 def rendered(server: VllmServer) -> tuple[list[int], dict]:

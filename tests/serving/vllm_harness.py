@@ -130,7 +130,10 @@ def stop_group(process: subprocess.Popen[bytes]) -> None:
 
 
 def data_url(path: Path) -> str:
-    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+    media_type = {".jpg": "image/jpeg", ".webp": "image/webp", ".gif": "image/gif"}.get(
+        path.suffix, "image/png"
+    )
+    return f"data:{media_type};base64," + base64.b64encode(path.read_bytes()).decode()
 
 
 class Conversation:
@@ -141,7 +144,7 @@ class Conversation:
         self.messages: list[dict[str, Any]] = []  # images as file:// URIs in the offload store
         self.paths: dict[str, Path] = {}
 
-    def user(self, *parts: Image.Image | str) -> None:
+    def user(self, *parts: Image.Image | bytes | str) -> None:
         content = []
         for part in parts:
             if isinstance(part, str):
@@ -259,6 +262,28 @@ def check_four_turns_resending_images(server: VllmServer) -> None:
     # Each image materialized once; every resend was a cache hit (0 + 1 + 2 + 3).
     assert server.metric("rawmm_materialize_cache_misses_total") - misses == 4
     assert server.metric("rawmm_materialize_cache_hits_total") - hits == 6
+
+
+def check_transparent_and_rotated_images(server: VllmServer) -> None:
+    """A screenshot with transparency and a photo with an EXIF orientation: vLLM's own loader composites the
+    first over white and turns the second; raw refs of the same bytes must reach the model the same way."""
+    import io
+
+    import numpy as np
+
+    def encoded(image: Image.Image, fmt: str, **save: Any) -> bytes:
+        buffer = io.BytesIO()
+        image.save(buffer, format=fmt, **save)
+        return buffer.getvalue()
+
+    rgba = np.dstack([np.asarray(picture(7, 96, 64)), np.random.default_rng(7).integers(0, 256, (64, 96))])
+    transparent = encoded(Image.fromarray(rgba.astype(np.uint8), mode="RGBA"), "PNG")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # shown turned 90° clockwise: a 96x64 photo displays as 64x96
+    rotated = encoded(picture(8, 96, 64), "JPEG", exif=exif.tobytes(), quality=95)
+    conversation = Conversation(server)
+    conversation.user(transparent, "and", rotated, "what do you see?")
+    both_ways(conversation)
 
 
 def picture(seed: int, width: int, height: int) -> Image.Image:

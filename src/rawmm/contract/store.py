@@ -124,11 +124,29 @@ def path_problem(path: str) -> str | None:
     return None
 
 
+# EXIF orientations that turn the image a quarter (transpose, 270°, transverse, 90°): width and height swap.
+_QUARTER_TURNS = frozenset({5, 6, 7, 8})
+_EXIF_ORIENTATION = 0x0112
+
+
+def displayed_size(image: Image.Image) -> tuple[int, int]:
+    """(width, height) of an opened image as it is displayed, i.e. after its EXIF orientation (header only).
+
+    Decoders apply the orientation (vLLM's image loader and ours alike), so the layout of a rotated photo
+    follows its displayed size, not its stored one."""
+    width, height = image.size
+    try:
+        orientation = image.getexif().get(_EXIF_ORIENTATION)
+    except Exception:  # noqa: BLE001 - a broken EXIF block is ignored, as the decoders ignore it
+        orientation = None
+    return (height, width) if orientation in _QUARTER_TURNS else (width, height)
+
+
 def _identify(data: bytes, source: str) -> tuple[str, int, int]:
-    """(extension, width, height) of encoded image bytes, reading only the header."""
+    """(extension, width, height as displayed) of encoded image bytes, reading only the header."""
     try:
         with Image.open(io.BytesIO(data)) as image:
-            return _EXT_BY_FORMAT.get(image.format or "", "img"), image.width, image.height
+            return _EXT_BY_FORMAT.get(image.format or "", "img"), *displayed_size(image)
     except UnidentifiedImageError:
         raise ImageIngestError(f"{source} is not a readable image: unknown image format") from None
     except (Image.DecompressionBombError, OSError, ValueError) as exc:
@@ -303,7 +321,7 @@ class OffloadStore:
             return self._put_file(path)
         try:
             with Image.open(path) as image:
-                width, height = image.size
+                width, height = displayed_size(image)
         except (UnidentifiedImageError, Image.DecompressionBombError, OSError) as exc:
             raise ImageIngestError(f"stored file {path} is not a readable image: {exc}") from None
         return StoredImage(

@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from rawmm.contract import InvalidImageRef, RawImageDescriptor, RawImageRef, resolve_uri
 from rawmm.contract.refs import check_mm_hash
@@ -23,20 +23,45 @@ from rawmm.contract.store import read_verified
 DEFAULT_MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 
 
+def exif_oriented(image: Image.Image) -> Image.Image:
+    """``image`` turned as its EXIF orientation says (unchanged without one, or with a broken EXIF block)."""
+    try:
+        return ImageOps.exif_transpose(image)
+    except Exception:  # noqa: BLE001 - a broken EXIF block leaves the pixels as stored, as vLLM does
+        return image
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB pixels, with transparency (an alpha channel, or a PNG's transparent colour) composited over white:
+    what vLLM's own image path does, so raw refs and data URLs of one image reach the model identically
+    (a plain ``convert("RGB")`` would drop the alpha and show what lies under it)."""
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        rgba = image if image.mode == "RGBA" else image.convert("RGBA")
+        rgb = Image.new("RGB", rgba.size, (255, 255, 255))
+        rgb.paste(rgba, mask=rgba.getchannel("A"))
+        return rgb
+    return image.convert("RGB")
+
+
 def decode_image(data: bytes, *, max_pixels: int, source: str) -> Image.Image:
-    """Decode encoded bytes to an RGB image, refusing images over ``max_pixels`` before decoding pixels."""
+    """Decode encoded bytes to an RGB image as displayed (EXIF orientation applied, transparency over white),
+    refusing images over ``max_pixels`` before decoding pixels."""
     try:
         with warnings.catch_warnings():
             # PIL warns (and past twice its limit, raises) on bombs; our own limit is the one that counts.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-            width, height = image.size
+            opened = Image.open(io.BytesIO(data))
+            width, height = opened.size
             if width * height > max_pixels:
                 raise InvalidImageRef(
                     "image_too_large", f"{source} is {width}x{height}, over the {max_pixels}-pixel limit"
                 )
+            # As vLLM's own image loader does: orientation first, then RGB over white where transparent.
+            image = exif_oriented(opened)
             image.load()
-            return image.convert("RGB")
+            return to_rgb(image)
     except InvalidImageRef:
         raise
     except Image.DecompressionBombError as exc:
