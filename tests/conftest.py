@@ -14,6 +14,8 @@ from rawmm.contract import OffloadStore
 if TYPE_CHECKING:
     from kube.cluster import KubeCluster
 
+pytest_plugins = ["terminate"]
+
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
