@@ -5,18 +5,37 @@ from __future__ import annotations
 import io
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 from rawmm.contract import OffloadStore, StoredImage, describe_stored_image
 from rawmm.contract.files import write_atomically
 from rawmm.contract.shared_dir import LATEST, SharedDir
-from rawmm.materialize import LoadedProcessor
+from rawmm.materialize import LoadedProcessor, load_processor
 from rawmm.rl.batches import write_batch
 from rawmm.rl.samples import RolloutBatch, Sample, build_mm_refs
 
 HOUR = 3600.0
+
+
+# Fixtures of the GC tests (imported by the modules that use them): a run's shared directory, its offload
+# store, and the tiny processor.
+@pytest.fixture
+def shared(tmp_path: Path) -> SharedDir:
+    return SharedDir(tmp_path / "shared")
+
+
+@pytest.fixture
+def store(shared: SharedDir) -> OffloadStore:
+    return OffloadStore(shared.offload_dir)
+
+
+@pytest.fixture(scope="session")
+def loaded(tiny_qwen2_vl: Path) -> LoadedProcessor:
+    return load_processor(tiny_qwen2_vl)
 
 
 def png(seed: int, size: int = 28) -> bytes:
@@ -71,3 +90,22 @@ def aged_images(store: OffloadStore, seeds: range, seconds: float = 2 * HOUR) ->
     for image in images:
         age(image.path, seconds)
     return images
+
+
+def poll(condition: Callable[[], object], what: str, deadline_s: float = 20.0) -> None:
+    """Wait until ``condition()`` is truthy; fail after ``deadline_s``."""
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def blocked_on(lock_file: Path) -> bool:
+    """Whether some flock waiter is queued on `lock_file` (Linux /proc/locks lists waiters with `->`)."""
+    try:
+        info = lock_file.stat()
+    except FileNotFoundError:  # nobody has locked the directory yet
+        return False
+    key = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino} "
+    return any("->" in line and key in line for line in Path("/proc/locks").read_text().splitlines())

@@ -8,34 +8,18 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from retention_kit import aged_images, checkpoint, write_step
+from retention_kit import aged_images, blocked_on, checkpoint, poll, write_step
 
 from rawmm.cli import main
 from rawmm.config import RunConfig, SharedDir
 from rawmm.contract import OffloadStore, StoredImage
 from rawmm.contract.store import GC_LOCK_NAME, directory_lock, stored_sha
-from rawmm.materialize import LoadedProcessor, load_processor
+from rawmm.materialize import LoadedProcessor
 from rawmm.run.plan import free_port
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_qwen2_vl: Path) -> LoadedProcessor:
-    return load_processor(tiny_qwen2_vl)
-
-
-@pytest.fixture
-def shared(tmp_path: Path) -> SharedDir:
-    return SharedDir(tmp_path / "shared")
-
-
-@pytest.fixture
-def store(shared: SharedDir) -> OffloadStore:
-    return OffloadStore(shared.offload_dir)
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
@@ -139,23 +123,6 @@ def _rawmm(*args: str) -> list[str]:
     return [sys.executable, "-c", "import sys; from rawmm.cli import main; sys.exit(main())", *args]
 
 
-def _blocked_on(lock_file: Path) -> bool:
-    try:
-        info = lock_file.stat()
-    except FileNotFoundError:
-        return False
-    key = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino} "
-    return any("->" in line and key in line for line in Path("/proc/locks").read_text().splitlines())
-
-
-def _poll(condition, what: str, deadline_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + deadline_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
 def test_a_pass_killed_midway_leaves_a_consistent_store_and_the_next_pass_finishes(
     shared: SharedDir, store: OffloadStore, loaded: LoadedProcessor
 ) -> None:
@@ -174,9 +141,10 @@ def test_a_pass_killed_midway_leaves_a_consistent_store_and_the_next_pass_finish
             argv, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
         try:
-            _poll(
-                lambda: _blocked_on(middle / GC_LOCK_NAME) or process.poll() is not None,
+            poll(
+                lambda: blocked_on(middle / GC_LOCK_NAME) or process.poll() is not None,
                 "the pass to reach it",
+                deadline_s=60.0,
             )
             assert process.poll() is None, process.stderr.read() if process.stderr else ""
         finally:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from retention_kit import blocked_on, poll
 
 from rawmm.contract import OffloadStore
 from rawmm.contract.gc import STALE_TEMP_AGE_S, collect
@@ -41,24 +42,6 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
         for p in root.rglob("*")
         if p.is_file()
     }
-
-
-def blocked_on(lock_file: Path) -> bool:
-    """Whether some flock waiter is queued on `lock_file` (Linux /proc/locks lists waiters with `->`)."""
-    try:
-        info = lock_file.stat()
-    except FileNotFoundError:  # nobody has locked the directory yet
-        return False
-    key = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino} "
-    return any("->" in line and key in line for line in Path("/proc/locks").read_text().splitlines())
-
-
-def poll(condition, what: str, deadline_s: float = 20.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
 
 
 @pytest.fixture

@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import threading
-import time
 
-from retention_kit import HOUR, aged_images, checkpoint, write_step
+from retention_kit import HOUR, aged_images, checkpoint, poll, write_step
 
 from rawmm.contract import OffloadStore
 from rawmm.contract.shared_dir import SharedDir
 from rawmm.materialize import LoadedProcessor
 from rawmm.rl.retention.watch import PassResult, watch
-
-
-def poll(condition, what: str, deadline_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + deadline_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def test_a_pass_per_checkpoint_frees_each_trained_steps_images_and_stops_after_the_last(
