@@ -21,7 +21,6 @@ import httpx
 import pytest
 from PIL import Image
 from vllm_harness import (
-    BACKEND,
     Conversation,
     VllmServer,
     assert_same,
@@ -85,31 +84,8 @@ def test_transparent_and_exif_rotated_images_equal_vllms_own_path(server: VllmSe
 def rendered(server: VllmServer) -> tuple[list[int], dict]:
     conversation = Conversation(server)
     conversation.user(picture(40, 64, 48), "what is this?")
-    from rawmm.contract import get_family, render_chat
-
-    out = render_chat(
-        conversation.messages,
-        tokenizer=server.tokenizer,
-        family=get_family("qwen_vl"),
-        config=server.config,
-        store=server.store,
-        backend=BACKEND,
-    )
+    out = conversation.render()
     return out.token_ids, out.features()
-
-
-def render_features(conversation: Conversation) -> dict:
-    from rawmm.contract import get_family, render_chat
-
-    server = conversation.server
-    return render_chat(
-        conversation.messages,
-        tokenizer=server.tokenizer,
-        family=get_family("qwen_vl"),
-        config=server.config,
-        store=server.store,
-        backend=BACKEND,
-    ).features()
 
 
 def error_of(response: httpx.Response) -> tuple[int, str, str]:
@@ -216,7 +192,7 @@ def test_no_cached_item_crosses_to_the_engine_core_twice(server: VllmServer, che
         conversation.user(picture(60 + turn, 64 + 32 * turn, 48), f"turn {turn}")
         before = server.metric(sent)
         conversation.assistant(both_ways(conversation, max_tokens=4)[0])
-        features = render_features(conversation)
+        features = conversation.render().features()
         assert server.metric(sent) - before == item_bytes(features, turn, server.config)  # the new image only
     last = raw_tokens(conversation.raw(4))
     # A weight update clears both sides of vLLM's multimodal cache together: everything crosses once more.
@@ -258,7 +234,7 @@ def test_concurrent_multi_turn_requests_through_an_evicting_cache_and_a_reset_eq
     sent = server.metric("rawmm_engine_core_item_bytes_total") - crossed
     sizes = [
         [item_bytes(features, i, server.config) for i in range(5)]
-        for features in (render_features(conversation) for conversation in conversations)
+        for features in (conversation.render().features() for conversation in conversations)
     ]
     unique = sizes[0][0] + sum(size for own in sizes for size in own[1:])
     carried = sum(sum(own[: step + 2]) for own in sizes for step in range(4))  # what each request held

@@ -24,7 +24,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import free_port, wait_healthy
 
-from rawmm.contract import OffloadStore, get_family, render_chat
+from rawmm.contract import OffloadStore, RenderedPrompt, get_family, render_chat
 
 WEIGHTS_TOKEN = "vllm-test-token"
 BACKEND = "torchvision"  # the backend vLLM's own Qwen-VL processor runs (transformers' default)
@@ -159,9 +159,10 @@ class Conversation:
         text = self.server.tokenizer.decode(token_ids, skip_special_tokens=True)
         self.messages.append({"role": "assistant", "content": text})
 
-    def raw(self, max_tokens: int, **sampling: Any) -> httpx.Response:
+    def render(self) -> RenderedPrompt:
+        """The conversation as rawmm renders it: token ids and the request features of its images."""
         server = self.server
-        rendered = render_chat(
+        return render_chat(
             self.messages,
             tokenizer=server.tokenizer,
             family=get_family("qwen_vl"),
@@ -169,12 +170,15 @@ class Conversation:
             store=server.store,
             backend=BACKEND,
         )
+
+    def raw(self, max_tokens: int, **sampling: Any) -> httpx.Response:
+        rendered = self.render()
         body = {
             "prompt_token_ids": rendered.token_ids,
             "features": rendered.features(),
             "sampling": {"max_tokens": max_tokens, "temperature": 0.0, **sampling},
         }
-        return server.post("/v1/rawmm/generate", body)
+        return self.server.post("/v1/rawmm/generate", body)
 
     def native(self, max_tokens: int) -> httpx.Response:
         messages = [
