@@ -11,8 +11,8 @@
 
 Every name of that layout is here and nowhere else; the orchestrator, the trainer, offload retention,
 `rawmm run` and the run config all derive their paths from it. A reader that trusts `latest` and whole
-batch files never sees a partial write. Every wait takes a timeout the caller chose (None: as long as it
-takes) and polls the directory, since the peer is another process, possibly on another node.
+batch files never sees a partial write. Every wait takes the timeout the caller chose (the run config's, by
+default) and polls the directory, since the peer is another process, possibly on another node.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class BatchTimeout(TimeoutError):
 
 class CheckpointTimeout(TimeoutError):
     """The trainer's checkpoint for a step did not appear within the allowed time (the mirror of
-    `BatchTimeout`: neither side waits forever for a peer that is gone, unless told to)."""
+    `BatchTimeout`: neither side waits forever for a peer that is gone)."""
 
 
 def batch_path(rollouts_dir: Path, step: int) -> Path:
@@ -104,39 +104,29 @@ def latest_step(checkpoints_dir: Path) -> int:
     return int(text)
 
 
-def wait_for_batch_file(
-    rollouts_dir: Path, step: int, *, timeout_s: float | None, poll_s: float = 0.2
-) -> Path:
+def wait_for_batch_file(rollouts_dir: Path, step: int, *, timeout_s: float, poll_s: float = 0.2) -> Path:
     """The path of step `step`'s batch once it exists; `BatchTimeout` after `timeout_s` seconds."""
     path = batch_path(rollouts_dir, step)
-    deadline = _deadline(timeout_s)
+    deadline = time.monotonic() + timeout_s
     while not path.exists():
-        if _passed(deadline):
+        if time.monotonic() >= deadline:
             raise BatchTimeout(f"no rollout batch for step {step} at {path} after {timeout_s:.0f}s")
         time.sleep(poll_s)
     return path
 
 
 async def wait_for_checkpoint(
-    checkpoints_dir: Path, step: int, *, timeout_s: float | None, poll_s: float = 0.2
+    checkpoints_dir: Path, step: int, *, timeout_s: float, poll_s: float = 0.2
 ) -> int:
     """The latest checkpoint step once it is at least `step`; `CheckpointTimeout` after `timeout_s`."""
-    deadline = _deadline(timeout_s)
+    deadline = time.monotonic() + timeout_s
     while (latest := latest_step(checkpoints_dir)) < step:
-        if _passed(deadline):
+        if time.monotonic() >= deadline:
             raise CheckpointTimeout(
                 f"no trainer checkpoint for step {step} in {checkpoints_dir} after {timeout_s:.0f}s"
             )
         await asyncio.sleep(poll_s)
     return latest
-
-
-def _deadline(timeout_s: float | None) -> float | None:
-    return None if timeout_s is None else time.monotonic() + timeout_s
-
-
-def _passed(deadline: float | None) -> bool:
-    return deadline is not None and time.monotonic() >= deadline
 
 
 def _steps(directory: Path, name: re.Pattern[str], *, directories: bool = False) -> list[int]:

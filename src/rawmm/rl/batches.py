@@ -25,9 +25,7 @@ def read_batch(rollouts_dir: Path, step: int) -> RolloutBatch:
     return decode_batch(batch_path(rollouts_dir, step).read_bytes())
 
 
-def wait_for_batch(
-    rollouts_dir: Path, step: int, *, timeout_s: float | None, poll_s: float = 0.2
-) -> RolloutBatch:
+def wait_for_batch(rollouts_dir: Path, step: int, *, timeout_s: float, poll_s: float = 0.2) -> RolloutBatch:
     """Step `step`'s batch once the orchestrator has written it (`BatchTimeout` after `timeout_s`)."""
     path = wait_for_batch_file(rollouts_dir, step, timeout_s=timeout_s, poll_s=poll_s)
     batch = read_batch(rollouts_dir, step)

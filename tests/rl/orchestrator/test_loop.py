@@ -73,7 +73,7 @@ async def orchestrator_factory(tmp_path, renderer_parts):
         def make(
             urls,
             environment: Environment | None = None,
-            checkpoint_timeout_s: float | None = None,
+            checkpoint_timeout_s: float = 60.0,
             **orchestrator,
         ) -> Orchestrator:
             config = make_config(tmp_path, model, urls, **orchestrator)

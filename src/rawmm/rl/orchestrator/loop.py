@@ -69,13 +69,13 @@ class Orchestrator:
         renderer: PromptRenderer,
         environment: Environment,
         metrics: OrchestratorMetrics,
-        checkpoint_timeout_s: float | None,
+        checkpoint_timeout_s: float,
         poll_interval_s: float = 0.2,
     ) -> None:
         self.config, self.pool, self.renderer = config, pool, renderer
         self.environment, self.metrics = environment, metrics
         self._poll_interval_s = poll_interval_s
-        self._checkpoint_timeout_s = checkpoint_timeout_s  # per wait; None: as long as it takes
+        self._checkpoint_timeout_s = checkpoint_timeout_s  # per wait
         self.weights_step = 0  # the checkpoint the replicas were last told to load (0 = as started)
 
     async def run(

@@ -210,11 +210,11 @@ class Trainer:
         self,
         steps: int,
         *,
-        batch_timeout: float | None,
+        batch_timeout: float,
         on_step: Callable[[TrainStepReport], None] | None = None,
     ) -> list[TrainStepReport]:
         """Train steps `latest + 1 .. steps`, each on its rollout batch once it appears (waiting at most
-        `batch_timeout` seconds for each; None: as long as it takes)."""
+        `batch_timeout` seconds for each)."""
         results = []
         for step in range(self.step + 1, steps + 1):
             batch = wait_for_batch(self.config.rollouts_dir, step, timeout_s=batch_timeout)
