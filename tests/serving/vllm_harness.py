@@ -68,9 +68,13 @@ class VllmServer:
         return httpx.post(f"{self.url}{route}", content=content, headers=headers, timeout=300.0)
 
     def metric(self, name: str) -> float:
+        return self.metrics(name)[0]
+
+    def metrics(self, *names: str) -> list[float]:
+        """Each metric's value summed over its labels, all from one scrape (one consistent snapshot)."""
         text = httpx.get(f"{self.url}/metrics", timeout=30.0).text
-        samples = (s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
-        return sum(sample.value for sample in samples)
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        return [sum(sample.value for sample in samples if sample.name == name) for name in names]
 
     def load_weights(self, path: Path) -> httpx.Response:
         return self.post("/v1/rawmm/weights", {"path": str(path)}, Authorization=f"Bearer {WEIGHTS_TOKEN}")

@@ -7,16 +7,22 @@ engine through ``mm_input`` with the refs' content hashes and the placeholder ra
 own processing; its encoder cache keys on the same content hashes. Before each request the items pass
 through vLLM's own key-replicated sender cache (the API server's mirror of the engine core's receiver
 cache), exactly as vLLM's processor path does: an item the engine core already holds crosses as its hash
-alone, so a multi-turn request ships only its new images to the engine core.
+alone, so a multi-turn request ships only its new images to the engine core. vLLM 0.32 does not keep the
+two caches in step under concurrency (requests may reach the engine core in another order than they passed
+the sender cache, and an evicting cache then misses): our requests are resent with their data, vLLM's own
+routes answer such a request with a 500.
 
 Pixels are ``uint8`` (``LoadedProcessor.pixels``) whenever vLLM runs the model with
 ``mm_device_do_normalize``: its vision tower rescales and normalizes on the device, exactly as for its
 own processor's output, so an HF-normalized float would be normalized twice.
 
-A weight update pauses the engine (in-flight requests finish, new ones wait, prefix / multimodal /
-encoder caches are cleared), reloads in place, resets the encoder cache again (the worker's reload clears
-its encoder outputs but not the scheduler's record of them), drops the prefix cache, and resumes. The
-pause covers vLLM's own completion routes too, so no request runs on half-loaded weights.
+A weight update pauses the engine (in-flight requests finish, new ones wait), reloads in place, resets
+the encoder cache (the worker's reload clears its encoder outputs but not the scheduler's record of them),
+drops the prefix cache, and resumes. The pause covers vLLM's own completion routes too, so no request runs
+on half-loaded weights. It leaves vLLM's multimodal caches alone: they hold processor outputs, which do not
+depend on the weights, and vLLM's ``pause_generation(clear_cache=True)`` clears them out of step (the
+sender cache when the pause starts, the receiver cache when the drain ends), so a chat request that
+rendered in between made the next request with its image a multimodal-cache miss, a 500 on vLLM's routes.
 """
 
 from __future__ import annotations
@@ -283,8 +289,8 @@ class VllmEngine(Engine):
             )
         async with self.gate.updating():
             # "wait": requests already running (vLLM's own routes included) finish on the old weights;
-            # new ones queue until resume. clear_cache drops prefix, multimodal and encoder caches.
-            await self.client.pause_generation(mode="wait", clear_cache=True)
+            # new ones queue until resume. No clear_cache: _reload resets the caches the weights touch.
+            await self.client.pause_generation(mode="wait", clear_cache=False)
             try:
                 try:
                     await self._reload(target)
