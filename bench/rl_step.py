@@ -184,6 +184,7 @@ def rss_bytes() -> int:
 
 def memory_worker(mode: str, rollouts: int, model: str) -> None:
     """Hold `rollouts` in-flight rollouts at their last turn the way `mode` does; print bytes per rollout."""
+    import numpy as np
     from PIL import Image
     from transformers import AutoTokenizer
 
@@ -226,9 +227,9 @@ def memory_worker(mode: str, rollouts: int, model: str) -> None:
                 return messages, prompt.token_ids, prompt.mm_token_type_ids, prompt.features()
             messages = conversation(data_url)
             prompt = render_chat(messages, tokenizer=tokenizer, family=family, config=config, store=store)
-            pil = [Image.open(io.BytesIO(png)).convert("RGB") for png in pngs]
+            decoded = [np.array(Image.open(io.BytesIO(png)).convert("RGB")) for png in pngs]
             pixels = adapter.materialize_for_trainer(
-                pil, [i.descriptor for i in prompt.images], loaded
+                decoded, [i.descriptor for i in prompt.images], loaded
             ).kwargs
             return messages, prompt.token_ids, prompt.mm_token_type_ids, pixels
 

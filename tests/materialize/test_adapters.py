@@ -33,8 +33,8 @@ def reason(excinfo: pytest.ExceptionInfo[InvalidImageRef]) -> str:
 def engine_item(ref, loaded, store: OffloadStore, placeholder_length: int | None = None):
     """The engine path for ``ref``, with the placeholder length a renderer gives it unless overridden."""
     if placeholder_length is None:
-        image = read_ref_image(ref, mm_hash=ref.mm_hash, roots=[store.root])
-        layout = loaded.family.describe(width=image.width, height=image.height, config=loaded.config)
+        height, width = read_ref_image(ref, mm_hash=ref.mm_hash, roots=[store.root]).shape[:2]
+        layout = loaded.family.describe(width=width, height=height, config=loaded.config)
         placeholder_length = layout.num_placeholder_tokens
     return materialize_engine_item(
         ref, placeholder_length=placeholder_length, processor=loaded, roots=[store.root], max_pixels=10**8

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from rawmm.materialize import get_adapter, load_processor
 
@@ -54,7 +53,7 @@ def test_uint8_items_normalized_like_vllm_equal_the_normalized_items(
     normalized = load_processor(path, backend)
     raw = load_processor(path, backend, pixels="uint8")
     adapter = get_adapter(normalized.family.name)
-    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (90, 130, 3), dtype=np.uint8))
+    image = np.random.default_rng(0).integers(0, 256, (90, 130, 3), dtype=np.uint8)
     expected = adapter._process(normalized.processor, [image])
     got = adapter._process(raw.processor, [image], normalize=False)
     assert got["pixel_values"].dtype == torch.uint8

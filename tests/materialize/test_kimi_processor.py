@@ -15,10 +15,10 @@ from rawmm.materialize.kimi import KimiK25ImageProcessor
 SMALL = KimiK25Config(in_patch_limit=256, patch_limit_on_one_side=24)
 
 
-def reference(image: Image.Image, config: KimiK25Config) -> tuple[np.ndarray, list[int]]:
+def reference(image: np.ndarray, config: KimiK25Config) -> tuple[np.ndarray, list[int]]:
     """The published pipeline written out step by step: navit size, bicubic, pad, (x/255 - mean)/std, patchify."""
     patch, factor = config.patch_size, config.patch_size * config.merge_size
-    width, height = image.size
+    height, width = image.shape[:2]
     scale = min(
         1.0,
         math.sqrt(config.in_patch_limit / (max(1.0, width // patch) * max(1.0, height // patch))),
@@ -27,7 +27,7 @@ def reference(image: Image.Image, config: KimiK25Config) -> tuple[np.ndarray, li
     )
     new_w = min(max(1, int(width * scale)), config.patch_limit_on_one_side * patch)
     new_h = min(max(1, int(height * scale)), config.patch_limit_on_one_side * patch)
-    pixels = np.asarray(image.resize((new_w, new_h), resample=Image.Resampling.BICUBIC))
+    pixels = np.asarray(Image.fromarray(image).resize((new_w, new_h), resample=Image.Resampling.BICUBIC))
     pixels = np.pad(pixels, ((0, (-new_h) % factor), (0, (-new_w) % factor), (0, 0)))
     normalized = (pixels / 255.0 - np.asarray(config.image_mean)) / np.asarray(config.image_std)
     grid_h, grid_w = normalized.shape[0] // patch, normalized.shape[1] // patch
@@ -35,8 +35,9 @@ def reference(image: Image.Image, config: KimiK25Config) -> tuple[np.ndarray, li
     return patches.reshape(-1, 3, patch, patch), [1, grid_h, grid_w]
 
 
-def noise(width: int, height: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+def noise(width: int, height: int, seed: int) -> np.ndarray:
+    """Decoded RGB rows, as the processor receives them."""
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
 
 
 @pytest.mark.parametrize(
@@ -57,7 +58,7 @@ def test_pil_backend_matches_the_published_pipeline(width: int, height: int) -> 
 def test_grids_agree_with_the_family_layout_math(width: int, height: int) -> None:
     layout = get_family("kimi_k25").describe(width=width, height=height, config=SMALL)
     # A solid image: cheap to build at any size, and the grid does not depend on content.
-    out = KimiK25ImageProcessor(SMALL)([Image.new("RGB", (width, height), (10, 20, 30))])
+    out = KimiK25ImageProcessor(SMALL)([np.full((height, width, 3), (10, 20, 30), np.uint8)])
     assert tuple(out["grid_thws"][0].tolist()) == layout.grid_thw
     t, h, w = layout.grid_thw
     assert out["pixel_values"].shape == (t * h * w, 3, 14, 14)
@@ -72,7 +73,7 @@ def test_patches_are_row_major_with_channels_first_and_padding_normalizes_to_min
     pixels = np.zeros((height, width, 3), dtype=np.uint8)
     pixels[..., 0] = np.arange(height * width).reshape(height, width) * 10
     pixels[..., 1] = 255
-    out = KimiK25ImageProcessor(config)([Image.fromarray(pixels)])
+    out = KimiK25ImageProcessor(config)([pixels])
     assert out["grid_thws"].tolist() == [[1, 2, 4]]  # padded to 4x8: multiples of patch*merge = 4
     values = out["pixel_values"].numpy()
     assert values.shape == (8, 3, 2, 2)

@@ -24,12 +24,12 @@ CASES = [
 ]
 
 
-def every_value_image(width: int, height: int, seed: int) -> Image.Image:
-    """Noise in which every channel takes all 256 values (so every table entry is checked)."""
+def every_value_image(width: int, height: int, seed: int) -> np.ndarray:
+    """Decoded RGB noise in which every channel takes all 256 values (so every table entry is checked)."""
     rng = np.random.default_rng(seed)
     pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
     pixels.reshape(-1, 3)[:256] = np.arange(256, dtype=np.uint8)[:, None]
-    return Image.fromarray(pixels)
+    return pixels
 
 
 @pytest.mark.parametrize(("checkpoint", "backend"), CASES)
@@ -77,7 +77,7 @@ def test_uint8_trainer_inputs_keep_the_trainer_paths_checks(tiny_qwen2_vl: Path,
     loaded = load_processor(tiny_qwen2_vl)
     adapter = get_adapter("qwen_vl")
     image = every_value_image(90, 60, 0)
-    descriptor = make_ref(image, loaded).descriptor()
+    descriptor = make_ref(Image.fromarray(image), loaded).descriptor()
 
     def uint8_trainer_inputs(images, descriptors, processor):  # noqa: ANN001, ANN202
         return adapter.materialize_for_trainer(images, descriptors, processor, normalize=False)
@@ -91,7 +91,7 @@ def test_uint8_trainer_inputs_keep_the_trainer_paths_checks(tiny_qwen2_vl: Path,
         PixelNormalizer(loaded).inputs(inputs.kwargs)["pixel_values"], want.kwargs["pixel_values"]
     )
     with pytest.raises(InvalidImageRef) as caught:
-        uint8_trainer_inputs([image.resize((60, 90))], [descriptor], loaded)
+        uint8_trainer_inputs([image.transpose(1, 0, 2).copy()], [descriptor], loaded)
     assert caught.value.reason == "grid_mismatch"
     with pytest.raises(InvalidImageRef) as caught:
         uint8_trainer_inputs([image, image], [descriptor], loaded)

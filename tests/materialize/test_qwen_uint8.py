@@ -1,4 +1,5 @@
-"""The uint8 miss path (our patchify on transformers' resize) gives transformers' torchvision output, bit for bit."""
+"""The uint8 miss path (our patchify on transformers' resize, fed decoded RGB rows) gives transformers'
+torchvision output for the PIL image, bit for bit (the PIL image is what vLLM's own path hands transformers)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ from rawmm.materialize import get_adapter, load_processor, materialize_engine_it
 from rawmm.materialize.qwen_uint8 import patchify, uint8_patches
 
 
-def noise_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 4), dtype=np.uint8)
-    return Image.fromarray(pixels, mode="RGBA").convert(mode)
+def noise_image(width: int, height: int, seed: int = 0) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def rows(images: list[Image.Image]) -> list[np.ndarray]:
+    """The images as our read decodes them: RGB rows."""
+    return [np.array(image.convert("RGB")) for image in images]
 
 
 def hf_uint8(processor: object, images: list[Image.Image]) -> dict[str, torch.Tensor]:
@@ -48,15 +53,15 @@ def test_uint8_patches_equal_transformers_torchvision_output(preset: str, size: 
     _, config = resolve_preset(preset)
     processor = qwen_image_processor(config, "torchvision")
     image = noise_image(*size, seed=size[0])
-    assert_identical(uint8_patches(processor, [image]), hf_uint8(processor, [image]))
+    assert_identical(uint8_patches(processor, rows([image])), hf_uint8(processor, [image]))
 
 
 def test_a_batch_of_mixed_sizes_and_modes_keeps_transformers_order(tiny_qwen2_vl: Path) -> None:
-    # The tiny checkpoint's low max_pixels makes every image here a downscale; RGBA and L convert to RGB.
+    # The tiny checkpoint's low max_pixels makes every image here a downscale; a grey one decodes to RGB.
     processor = load_processor(tiny_qwen2_vl, "torchvision").processor
-    images = [noise_image(300, 200, 1), noise_image(120, 90, 2, mode="RGBA"), noise_image(300, 200, 3)]
-    images.append(noise_image(64, 96, 4).convert("L"))
-    assert_identical(uint8_patches(processor, images), hf_uint8(processor, images))
+    images = [noise_image(300, 200, 1), noise_image(120, 90, 2), noise_image(300, 200, 3)]
+    images.append(noise_image(64, 96, 4).convert("L").convert("RGB"))
+    assert_identical(uint8_patches(processor, rows(images)), hf_uint8(processor, images))
 
 
 def test_temporal_patch_size_one_and_other_merge_sizes() -> None:
@@ -66,7 +71,7 @@ def test_temporal_patch_size_one_and_other_merge_sizes() -> None:
             replace(config, temporal_patch_size=temporal, merge_size=merge), "torchvision"
         )
         image = noise_image(211, 143, seed=temporal)
-        assert_identical(uint8_patches(processor, [image]), hf_uint8(processor, [image]))
+        assert_identical(uint8_patches(processor, rows([image])), hf_uint8(processor, [image]))
 
 
 def test_patchify_reads_any_strides() -> None:
@@ -95,17 +100,16 @@ def test_the_engine_item_on_the_uint8_torchvision_path_is_transformers_output(
     assert item.tensors["pixel_values"].dtype == torch.uint8
     assert torch.equal(item.tensors["image_grid_thw"], want["image_grid_thw"][0])
     # The trainer's uint8 batches take the same path.
-    assert_identical(get_adapter("qwen_vl")._process(loaded.processor, [image], normalize=False), want)
+    assert_identical(get_adapter("qwen_vl")._process(loaded.processor, rows([image]), normalize=False), want)
 
 
 ONE_THREAD_PROBE = """
 import threading, time, numpy as np, torch
-from PIL import Image
 from rawmm.contract import resolve_preset
 from rawmm.materialize import get_adapter, qwen_image_processor
 torch.set_num_threads(2)  # intra-op threads available, as in an engine process
 processor = qwen_image_processor(resolve_preset("qwen2_vl")[1], "torchvision")
-image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (720, 1280, 3), dtype=np.uint8))
+image = np.random.default_rng(0).integers(0, 256, (720, 1280, 3), dtype=np.uint8)
 adapter = get_adapter("qwen_vl")
 def run():
     adapter._process(processor, [image], normalize=False)

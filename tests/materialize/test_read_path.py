@@ -14,7 +14,8 @@ import pytest
 from PIL import Image
 
 from rawmm.contract import InvalidImageRef, OffloadStore, RawImageDescriptor, encode_ref, parse_ref
-from rawmm.materialize.read import read_ref_image
+from rawmm.materialize import read as read_module
+from rawmm.materialize.read import decode_pixels, plain_rgb_png, read_ref_image
 
 
 def descriptor(uri: str) -> RawImageDescriptor:
@@ -45,10 +46,8 @@ def encoded(image: Image.Image, fmt: str = "PNG", **save: object) -> bytes:
 
 def rotated_jpeg(orientation: int) -> bytes:
     """A 7x5 JPEG whose EXIF says to show it turned (6: 90° clockwise, so displayed 5x7)."""
-    exif = Image.Exif()
-    exif[0x0112] = orientation
     pixels = np.random.default_rng(orientation).integers(0, 256, (5, 7, 3), dtype=np.uint8)
-    return encoded(Image.fromarray(pixels), "JPEG", exif=exif.tobytes(), quality=95)
+    return encoded(Image.fromarray(pixels), "JPEG", exif=rotated_exif(orientation).tobytes(), quality=95)
 
 
 def transparent_images() -> dict[str, bytes]:
@@ -65,27 +64,132 @@ def transparent_images() -> dict[str, bytes]:
     }
 
 
+def noise(width: int, height: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def with_chunks(png: bytes, *chunks: bytes) -> bytes:
+    """``png`` with ``chunks`` inserted right after its IHDR (8-byte signature + 25-byte IHDR chunk)."""
+    return png[:33] + b"".join(chunks) + png[33:]
+
+
+def raw_png(rows: np.ndarray, bit_depth: int) -> bytes:
+    """An RGB PNG written out by hand (PIL cannot write 16-bit RGB): unfiltered rows, big-endian samples."""
+    height, width = rows.shape[:2]
+    samples = rows.astype(">u2" if bit_depth == 16 else np.uint8).reshape(height, -1).tobytes()
+    line = len(samples) // height
+    scanlines = b"".join(b"\x00" + samples[i * line : (i + 1) * line] for i in range(height))
+    header = struct.pack(">IIBBBBB", width, height, bit_depth, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + png_chunk(b"IHDR", header)
+        + png_chunk(b"IDAT", zlib.compress(scanlines))
+        + png_chunk(b"IEND", b"")
+    )
+
+
+def exif_text_chunk(orientation: int) -> bytes:
+    """EXIF in a ``Raw profile type exif`` text chunk, where ImageMagick puts it (PIL reads it there too)."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    block = b"Exif\x00\x00" + exif.tobytes()
+    text = f"\nexif\n{len(block):8d}\n{block.hex()}\n".encode()
+    return png_chunk(b"tEXt", b"Raw profile type exif\x00" + text)
+
+
+def animated_png() -> bytes:
+    first, second = (Image.fromarray(noise(7, 5, seed)) for seed in (1, 2))
+    return encoded(first, save_all=True, append_images=[second], duration=100)
+
+
+# Plain 8-bit RGB PNGs (screenshots) decode with OpenCV; these must give PIL's pixels, colour chunks and all.
+PLAIN_PNGS = {
+    "plain rgb png": lambda: encoded(Image.fromarray(noise(53, 37))),
+    "rgb png with colour chunks": lambda: with_chunks(
+        encoded(Image.fromarray(noise(53, 37, 1))),
+        png_chunk(b"gAMA", struct.pack(">I", 100_000)),
+        png_chunk(b"sRGB", b"\x00"),
+        png_chunk(b"sBIT", b"\x05\x06\x05"),
+        png_chunk(b"cHRM", struct.pack(">8I", 31270, 32900, 64000, 33000, 30000, 60000, 15000, 6000)),
+    ),
+    "rgb png with an icc profile": lambda: encoded(
+        Image.fromarray(noise(20, 10, 2)), icc_profile=b"\x00" * 200
+    ),
+    # The transparent colour leaves RGB pixels as they are, in PIL (and vLLM's loader) too.
+    "rgb png with a transparent colour": lambda: encoded(
+        Image.fromarray(noise(7, 5, 6)), transparency=tuple(int(v) for v in noise(7, 5, 6)[0, 0])
+    ),
+}
+# RGB PNGs whose displayed pixels need PIL: they must not take the OpenCV path.
+PNGS_FOR_PIL = {
+    "16-bit rgb png": lambda: raw_png(noise(9, 6, 3).astype(np.uint16) * 257 + 3, 16),
+    "rgb png with exif orientation 6": lambda: encoded(
+        Image.fromarray(noise(7, 5, 4)), exif=rotated_exif(6).tobytes()
+    ),
+    "rgb png with exif in a text chunk": lambda: with_chunks(
+        encoded(Image.fromarray(noise(7, 5, 5))), exif_text_chunk(8)
+    ),
+    "animated png": animated_png,
+}
+
+
+def rotated_exif(orientation: int) -> Image.Exif:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return exif
+
+
+def vllm_case(name: str) -> bytes:
+    if name in transparent_images():
+        return transparent_images()[name]
+    if name.startswith("exif orientation"):
+        return rotated_jpeg(int(name[-1]))
+    return {**PLAIN_PNGS, **PNGS_FOR_PIL}[name]()
+
+
 @pytest.mark.parametrize(
-    "name", [*transparent_images(), "exif orientation 6", "exif orientation 3", "exif orientation 8"]
+    "name",
+    [
+        *transparent_images(),
+        "exif orientation 6",
+        "exif orientation 3",
+        "exif orientation 8",
+        *PLAIN_PNGS,
+        *PNGS_FOR_PIL,
+    ],
 )
 def test_the_read_image_is_what_vllms_own_loader_makes_of_the_bytes(
     name: str, offload_store: OffloadStore
 ) -> None:
     """Raw refs must reach the model as data URLs of the same bytes do on vLLM: the same orientation, and
-    transparency over white (not the colours under it); the stored size (hence the layout) is the displayed one."""
+    transparency over white (not the colours under it); the stored size (hence the layout) is the displayed one.
+    Whichever decoder reads it (OpenCV for plain RGB PNGs, PIL for the rest), the pixels are vLLM's."""
     from vllm.multimodal.media.image import ImageMediaIO
 
-    data = transparent_images()[name] if name in transparent_images() else rotated_jpeg(int(name[-1]))
+    data = vllm_case(name)
     stored = offload_store.put(data)
     ours = read_ref_image(descriptor(stored.uri), mm_hash=stored.mm_hash, roots=[offload_store.root])
     theirs = ImageMediaIO().load_bytes(data).media
-    assert ours.mode == theirs.mode == "RGB"
-    assert ours.size == theirs.size == (stored.width, stored.height)
-    assert np.array_equal(np.asarray(ours), np.asarray(theirs))
-    if name == "exif orientation 6":
+    assert theirs.mode == "RGB" and ours.dtype == np.uint8
+    assert ours.shape == (theirs.height, theirs.width, 3) == (stored.height, stored.width, 3)
+    assert np.array_equal(ours, np.asarray(theirs))
+    if name in ("exif orientation 6", "rgb png with exif orientation 6", "rgb png with exif in a text chunk"):
         assert (stored.width, stored.height) == (5, 7)
     if name == "rgba":
-        assert not np.array_equal(np.asarray(ours), np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
+        assert not np.array_equal(ours, np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
+
+
+@pytest.mark.parametrize("name", [*PLAIN_PNGS, *PNGS_FOR_PIL])
+def test_only_plain_rgb_pngs_take_the_opencv_decoder(name: str) -> None:
+    data = {**PLAIN_PNGS, **PNGS_FOR_PIL}[name]()
+    assert plain_rgb_png(Image.open(io.BytesIO(data)), data) == (name in PLAIN_PNGS)
+
+
+def test_a_png_opencv_cannot_decode_goes_to_pil(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = PLAIN_PNGS["plain rgb png"]()
+    monkeypatch.setattr(read_module.cv2, "imdecode", lambda *_: None)
+    pixels = decode_pixels(data, max_pixels=10**6, source="x.png")
+    assert np.array_equal(pixels, np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
 
 
 def test_a_ref_whose_own_hash_differs_from_the_outer_hash_is_rejected(offload_store: OffloadStore) -> None:

@@ -232,7 +232,8 @@ def tiny_model(tiny_qwen2_vl):
 def old_path_inputs(make: SampleMaker, batch: PackedMicroBatch, images: list[Image.Image]) -> dict:
     """The normalized float32 kwargs the trainer used to hold: the adapter's trainer path."""
     descriptors = [RawImageDescriptor.from_dict(r.descriptor) for r in batch.images]
-    return get_adapter("qwen_vl").materialize_for_trainer(images, descriptors, make.loaded).kwargs
+    pixels = [np.array(image) for image in images]  # as the read decodes them
+    return get_adapter("qwen_vl").materialize_for_trainer(pixels, descriptors, make.loaded).kwargs
 
 
 def test_trainer_logprobs_on_uint8_pixels_equal_the_normalized_path(make, tiny_model):

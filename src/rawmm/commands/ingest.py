@@ -78,7 +78,7 @@ def image_files(paths: list[Path]) -> Iterator[Path]:
 def check_files(files: list[Path], model: tuple[Any, Any] | None) -> list[str]:
     """One line per file that cannot be ingested: unreadable, not fully decodable, too large, no layout."""
     from rawmm.contract import InvalidImageRef
-    from rawmm.materialize.read import DEFAULT_MAX_IMAGE_PIXELS, decode_image
+    from rawmm.materialize.decode import DEFAULT_MAX_IMAGE_PIXELS, decode_image
 
     problems = []
     for file in files:

@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS: dict[str, str] = {
-    "DEFAULT_MAX_IMAGE_PIXELS": "rawmm.materialize.read",
+    "DEFAULT_MAX_IMAGE_PIXELS": "rawmm.materialize.decode",
     "EngineItem": "rawmm.materialize.items",
     "FamilyAdapter": "rawmm.materialize.adapters",
     "FieldKind": "rawmm.materialize.items",
@@ -53,11 +53,12 @@ __all__ = [
 if TYPE_CHECKING:
     from rawmm.materialize.adapters import FamilyAdapter, get_adapter
     from rawmm.materialize.cache import MaterializeCache, cache_key
+    from rawmm.materialize.decode import DEFAULT_MAX_IMAGE_PIXELS
     from rawmm.materialize.engine import materialize_engine_item
     from rawmm.materialize.items import EngineItem, FieldKind, ForwardPolicy, TrainerInputs, collate
     from rawmm.materialize.kimi import KimiK25ImageProcessor
     from rawmm.materialize.processor import LoadedProcessor, load_processor, qwen_image_processor
-    from rawmm.materialize.read import DEFAULT_MAX_IMAGE_PIXELS, read_ref_image
+    from rawmm.materialize.read import read_ref_image
     from rawmm.quantity import parse_byte_size
 
 

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
-from PIL import Image
 
 from rawmm.contract import InvalidImageRef, RawImageDescriptor, get_family
 from rawmm.contract.families import Family, checkpoint_file
 from rawmm.materialize.items import EngineItem, FieldKind, ForwardPolicy, TrainerInputs
 from rawmm.materialize.kimi import KimiK25ImageProcessor
 from rawmm.materialize.qwen_uint8 import uint8_patches
+from rawmm.materialize.read import RgbPixels
 
 if TYPE_CHECKING:  # processor.py loads processors through the adapters
     from rawmm.materialize.processor import LoadedProcessor
@@ -74,7 +74,7 @@ class FamilyAdapter(ABC):
 
     @abstractmethod
     def _process(
-        self, processor: Any, images: Sequence[Image.Image], *, normalize: bool = True
+        self, processor: Any, images: Sequence[RgbPixels], *, normalize: bool = True
     ) -> dict[str, torch.Tensor]:
         """Run the image processor: ``pixel_values`` (one row per patch) and ``grid_key`` (one row per image).
 
@@ -111,24 +111,25 @@ class FamilyAdapter(ABC):
 
     def materialize_for_engine(
         self,
-        image: Image.Image,
+        image: RgbPixels,
         descriptor: RawImageDescriptor,
         processor: LoadedProcessor,
         expected_placeholder_length: int,
     ) -> EngineItem:
         """One image as an engine item, its grid and placeholder length checked."""
         self.check_descriptor(descriptor, processor)
+        height, width = image.shape[:2]
         try:
-            layout = self.family.describe(width=image.width, height=image.height, config=processor.config)
+            layout = self.family.describe(width=width, height=height, config=processor.config)
         except ValueError as exc:  # e.g. Qwen's aspect-ratio limit of 200 (a 3x1000 strip)
             raise InvalidImageRef(
                 "image_too_large",
-                f"a {image.width}x{image.height} image has no {self.family_name} layout: {exc}",
+                f"a {width}x{height} image has no {self.family_name} layout: {exc}",
             ) from None
         if layout.num_placeholder_tokens != expected_placeholder_length:
             raise InvalidImageRef(
                 "placeholder_mismatch",
-                f"a {image.width}x{image.height} image takes {layout.num_placeholder_tokens} placeholder tokens, "
+                f"a {width}x{height} image takes {layout.num_placeholder_tokens} placeholder tokens, "
                 f"the request gives it {expected_placeholder_length}",
             )
         outputs = self._process(processor.processor, [image], normalize=processor.pixels == "normalized")
@@ -141,7 +142,7 @@ class FamilyAdapter(ABC):
 
     def materialize_for_trainer(
         self,
-        images: Sequence[Image.Image],
+        images: Sequence[RgbPixels],
         descriptors: Sequence[RawImageDescriptor],
         processor: LoadedProcessor,
         *,
@@ -173,17 +174,23 @@ class QwenVLAdapter(FamilyAdapter):
         return AutoImageProcessor.from_pretrained(path, backend=backend, trust_remote_code=trust_remote_code)
 
     def _process(
-        self, processor: Any, images: Sequence[Image.Image], *, normalize: bool = True
+        self, processor: Any, images: Sequence[RgbPixels], *, normalize: bool = True
     ) -> dict[str, torch.Tensor]:
         from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
         if normalize:
-            out = processor(images=list(images), return_tensors="pt")
+            out = processor(images=list(images), return_tensors="pt", input_data_format="channels_last")
             return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
         # Exactly the class whose output uint8_patches reproduces (a subclass may lay patches out otherwise).
         if type(processor) is Qwen2VLImageProcessor:
             return uint8_patches(processor, images)
-        out = processor(images=list(images), return_tensors="pt", do_rescale=False, do_normalize=False)
+        out = processor(
+            images=list(images),
+            return_tensors="pt",
+            input_data_format="channels_last",
+            do_rescale=False,
+            do_normalize=False,
+        )
         # The PIL backend returns the resized whole values as float32.
         return {"pixel_values": out["pixel_values"].to(torch.uint8), "image_grid_thw": out["image_grid_thw"]}
 
@@ -210,7 +217,7 @@ class KimiK25Adapter(FamilyAdapter):
         return table
 
     def _process(
-        self, processor: Any, images: Sequence[Image.Image], *, normalize: bool = True
+        self, processor: Any, images: Sequence[RgbPixels], *, normalize: bool = True
     ) -> dict[str, torch.Tensor]:
         tensors: dict[str, torch.Tensor] = processor(images, normalize=normalize)
         return tensors

@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from rawmm.contract.families import BACKENDS, KimiK25Config, get_family
+from rawmm.materialize.read import RgbPixels
 
 
 class KimiK25ImageProcessor:
@@ -45,7 +46,7 @@ class KimiK25ImageProcessor:
         cfg["merge_kernel_size"] = cfg.pop("merge_size")
         return cfg
 
-    def __call__(self, images: Sequence[Image.Image], *, normalize: bool = True) -> dict[str, torch.Tensor]:
+    def __call__(self, images: Sequence[RgbPixels], *, normalize: bool = True) -> dict[str, torch.Tensor]:
         """``normalize=False``: the padded, resized pixels as uint8 patches (the device normalizes them)."""
         patches, grids = [], []
         for image in images:
@@ -60,10 +61,9 @@ class KimiK25ImageProcessor:
             "grid_thws": torch.tensor(grids, dtype=torch.int64).reshape(-1, 3),
         }
 
-    def _process(self, image: Image.Image, normalize: bool) -> tuple[np.ndarray, list[int]]:
-        if image.mode != "RGB":
-            image = image.convert("RGB")
-        layout = get_family("kimi_k25").describe(width=image.width, height=image.height, config=self.config)
+    def _process(self, image: RgbPixels, normalize: bool) -> tuple[np.ndarray, list[int]]:
+        height, width = image.shape[:2]
+        layout = get_family("kimi_k25").describe(width=width, height=height, config=self.config)
         new_h, new_w = layout.resized
         _, grid_h, grid_w = layout.grid_thw
         patch = self.config.patch_size
@@ -77,13 +77,15 @@ class KimiK25ImageProcessor:
         )
         return np.ascontiguousarray(patches), [1, grid_h, grid_w]
 
-    def _resize(self, image: Image.Image, width: int, height: int) -> np.ndarray:
+    def _resize(self, image: RgbPixels, width: int, height: int) -> np.ndarray:
         if self.backend == "pil":
-            return np.asarray(image.resize((width, height), resample=Image.Resampling.BICUBIC))
+            return np.asarray(
+                Image.fromarray(image).resize((width, height), resample=Image.Resampling.BICUBIC)
+            )
         from torchvision.transforms.v2 import InterpolationMode
         from torchvision.transforms.v2 import functional as tvf
 
-        chw = torch.from_numpy(np.array(image)).permute(2, 0, 1)
+        chw = torch.from_numpy(image).permute(2, 0, 1)
         resized = tvf.resize(chw, [height, width], interpolation=InterpolationMode.BICUBIC, antialias=True)
         pixels: np.ndarray = resized.permute(1, 2, 0).numpy()
         return pixels

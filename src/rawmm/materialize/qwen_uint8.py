@@ -1,6 +1,6 @@
 """Qwen-VL uint8 patches on the torchvision backend: the engine's miss path for vLLM (device-normalized items).
 
-The pixels are transformers' own: its image conversion and its resize (``smart_resize`` plus torchvision's
+The pixels are transformers' own: the decoded RGB rows as its tensor conversion lays them out, and its resize (``smart_resize`` plus torchvision's
 antialiased resampling, with the checkpoint's settings). Only the patchify is ours, because it is the one
 step left that costs more than the resize. transformers lays the patches out with one 8-d gather whose
 innermost reads stride over the channels-last resize output and duplicate every pixel ``temporal_patch_size``
@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
+
+from rawmm.materialize.read import RgbPixels
 
 
 def patchify(pixels: torch.Tensor, *, patch: int, merge: int, temporal: int) -> torch.Tensor:
@@ -39,13 +40,14 @@ def patchify(pixels: torch.Tensor, *, patch: int, merge: int, temporal: int) -> 
     return torch.from_numpy(out.reshape(grid_h * grid_w, channels * temporal * patch * patch))
 
 
-def uint8_patches(processor: Any, images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
+def uint8_patches(processor: Any, images: Sequence[RgbPixels]) -> dict[str, torch.Tensor]:
     """What ``processor(images, do_rescale=False, do_normalize=False)`` returns for transformers'
     ``Qwen2VLImageProcessor`` (torchvision backend): ``pixel_values`` as uint8 rows and ``image_grid_thw``."""
     patch, merge, temporal = processor.patch_size, processor.merge_size, processor.temporal_patch_size
     rows, grids = [], []
     for image in images:
-        pixels = processor.process_image(image, do_convert_rgb=processor.do_convert_rgb)
+        # The channels-first view of the decoded rows, as transformers makes of a PIL image or an array.
+        pixels = torch.from_numpy(image).permute(2, 0, 1)
         if processor.do_resize:
             pixels = processor.resize(
                 pixels[None], size=processor.size, resample=processor.resample, factor=patch * merge

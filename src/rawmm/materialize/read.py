@@ -8,66 +8,58 @@ outside the volume nor make us decode a bomb.
 
 from __future__ import annotations
 
-import io
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeAlias, cast
 
-from PIL import Image, ImageOps, UnidentifiedImageError
+import cv2
+import numpy as np
+import numpy.typing as npt
+from PIL import Image, ImageFile, UnidentifiedImageError
 
 from rawmm.contract import InvalidImageRef, RawImageDescriptor, RawImageRef, resolve_uri
 from rawmm.contract.refs import check_mm_hash
 from rawmm.contract.store import read_verified
+from rawmm.materialize.decode import DEFAULT_MAX_IMAGE_PIXELS, displayed_rgb, open_image
 
-# A 4K screenshot is ~8.3M pixels; anything past this is a bomb, not a picture worth decoding.
-DEFAULT_MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+# Any PNG decoder gives the file's own pixels for these; OpenCV's releases the GIL and hands back an array,
+# where PIL holds the GIL to copy its pixels out (~1 ms a screenshot, all of a miss that cannot overlap).
+_CV2_RGB = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION
+# Chunks after which PIL's pixels may differ from another decoder's: EXIF (PIL turns the image as it says;
+# it may also sit in a text chunk, or after the pixels) and animation (which frame shows is the decoder's
+# choice). Found anywhere, even by chance inside compressed data, they only send the image to PIL.
+_PNG_MARKERS_FOR_PIL = (b"eXIf", b"Raw profile type exif", b"acTL")
 
-
-def exif_oriented(image: Image.Image) -> Image.Image:
-    """``image`` turned as its EXIF orientation says (unchanged without one, or with a broken EXIF block)."""
-    try:
-        return ImageOps.exif_transpose(image)
-    except Exception:  # noqa: BLE001 - a broken EXIF block leaves the pixels as stored, as vLLM does
-        return image
-
-
-def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB pixels, with transparency (an alpha channel, or a PNG's transparent colour) composited over white:
-    what vLLM's own image path does, so raw refs and data URLs of one image reach the model identically
-    (a plain ``convert("RGB")`` would drop the alpha and show what lies under it)."""
-    if image.mode == "RGB":
-        return image
-    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
-        rgba = image if image.mode == "RGBA" else image.convert("RGBA")
-        rgb = Image.new("RGB", rgba.size, (255, 255, 255))
-        rgb.paste(rgba, mask=rgba.getchannel("A"))
-        return rgb
-    return image.convert("RGB")
+RgbPixels: TypeAlias = npt.NDArray[np.uint8]
+"""An image as displayed: ``(height, width, 3)`` uint8 RGB, rows top to bottom."""
 
 
-def decode_image(data: bytes, *, max_pixels: int, source: str) -> Image.Image:
-    """Decode encoded bytes to an RGB image as displayed (EXIF orientation applied, transparency over white),
-    refusing images over ``max_pixels`` before decoding pixels."""
-    try:
-        with warnings.catch_warnings():
-            # PIL warns (and past twice its limit, raises) on bombs; our own limit is the one that counts.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            opened = Image.open(io.BytesIO(data))
-            width, height = opened.size
-            if width * height > max_pixels:
-                raise InvalidImageRef(
-                    "image_too_large", f"{source} is {width}x{height}, over the {max_pixels}-pixel limit"
-                )
-            # As vLLM's own image loader does: orientation first, then RGB over white where transparent.
-            image = exif_oriented(opened)
-            image.load()
-            return to_rgb(image)
-    except InvalidImageRef:
-        raise
-    except Image.DecompressionBombError as exc:
-        raise InvalidImageRef("image_too_large", f"{source}: {exc}") from None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
-        raise InvalidImageRef("decode_error", f"{source} is not a decodable image: {exc}") from None
+def plain_rgb_png(opened: ImageFile.ImageFile, data: bytes) -> bool:
+    """An 8-bit RGB PNG with no EXIF or animation: what it displays is what it stores (a transparent colour
+    leaves RGB pixels as they are, in PIL and in vLLM's loader alike)."""
+    return (
+        opened.format == "PNG"
+        and opened.mode == "RGB"
+        and bool(opened.tile)
+        and opened.tile[0].args == "RGB"  # not 16-bit ("RGB;16B"), which PIL narrows itself
+        and not any(marker in data for marker in _PNG_MARKERS_FOR_PIL)
+    )
+
+
+def decode_pixels(data: bytes, *, max_pixels: int, source: str) -> RgbPixels:
+    """Encoded bytes as displayed RGB pixels, exactly PIL's (hence vLLM's own loader's), refusing images over
+    ``max_pixels`` before decoding. A plain RGB PNG (screenshots) decodes with OpenCV, off the GIL; anything
+    else, or a PNG OpenCV cannot decode, goes through PIL, which has the last word."""
+    opened = open_image(data, max_pixels=max_pixels, source=source)
+    if plain_rgb_png(opened, data):
+        try:
+            pixels = cv2.imdecode(np.frombuffer(data, np.uint8), _CV2_RGB)
+        except cv2.error:
+            pixels = None
+        if pixels is not None and pixels.shape == (opened.height, opened.width, 3):
+            return cast(RgbPixels, pixels)
+    return np.array(displayed_rgb(opened, source=source))
 
 
 def header_pixels(ref: RawImageRef | RawImageDescriptor, roots: Sequence[Path]) -> int | None:
@@ -97,8 +89,8 @@ def read_ref_image(
     mm_hash: str,
     roots: Sequence[Path],
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-) -> Image.Image:
-    """The RGB image a ref (or descriptor) points to, read only inside ``roots`` and verified against ``mm_hash``.
+) -> RgbPixels:
+    """The pixels of the image a ref (or descriptor) points to, read only inside ``roots`` and verified against ``mm_hash``.
 
     Raises ``InvalidImageRef`` with reason ``malformed_ref`` (``mm_hash`` is not a hash), ``hash_mismatch`` (the ref's own hash differs from ``mm_hash``,
     or the bytes do not hash to it), ``outside_offload_root``, ``missing_file``, ``unreadable_file``,
@@ -111,4 +103,4 @@ def read_ref_image(
         )
     uri = ref_or_descriptor.raw_image_uri
     data = read_verified(uri, mm_hash, [Path(root).resolve() for root in roots])
-    return decode_image(data, max_pixels=max_pixels, source=uri)
+    return decode_pixels(data, max_pixels=max_pixels, source=uri)

@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import get_args
 
+import numpy as np
 import torch
-from PIL import Image
 
 from rawmm import metrics
 from rawmm.config import MissingImagePolicy
@@ -39,6 +39,7 @@ from rawmm.materialize import (
     read_ref_image,
 )
 from rawmm.materialize.normalize import PixelNormalizer
+from rawmm.materialize.read import RgbPixels
 from rawmm.rl.packing import PackedMicroBatch
 from rawmm.rl.samples import MMImageRef
 
@@ -182,11 +183,11 @@ class RawImageMaterializer:
         descriptor = RawImageDescriptor.from_dict(image.descriptor)
         _, grid_h, grid_w = self.processor.family.grid_from_payload(descriptor.payload)
         patch = self.processor.config.patch_size
-        stand_in = Image.new("RGB", (grid_w * patch, grid_h * patch))
+        stand_in = np.zeros((grid_h * patch, grid_w * patch, 3), np.uint8)
         return self._uint8_inputs([stand_in], [descriptor])
 
     def _uint8_inputs(
-        self, images: Sequence[Image.Image], descriptors: Sequence[RawImageDescriptor]
+        self, images: Sequence[RgbPixels], descriptors: Sequence[RawImageDescriptor]
     ) -> dict[str, torch.Tensor]:
         # Held as uint8 patches (a quarter of float32) until the forward normalizes them on its device.
         return self.adapter.materialize_for_trainer(

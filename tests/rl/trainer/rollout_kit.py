@@ -93,7 +93,7 @@ class RolloutFactory:
 
     def logprobs(self, sample: Sample) -> list[float]:
         """Per-token logprobs of `sample` under `self.model`, as the engine would have reported them."""
-        images = self.images[sample.sample_id]
+        images = [np.array(image) for image in self.images[sample.sample_id]]  # as the read decodes them
         descriptors = [RawImageDescriptor.from_dict(r.descriptor) for r in sample.mm_refs]
         kwargs = (
             self.adapter.materialize_for_trainer(images, descriptors, self.loaded).kwargs if images else {}
