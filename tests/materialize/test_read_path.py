@@ -97,6 +97,18 @@ def exif_text_chunk(orientation: int) -> bytes:
     return png_chunk(b"tEXt", b"Raw profile type exif\x00" + text)
 
 
+def exif_after_pixels(png: bytes, orientation: int) -> bytes:
+    """An eXIf chunk between the last IDAT and IEND (PIL finds it when it loads the pixels)."""
+    exif = rotated_exif(orientation).tobytes().removeprefix(b"Exif\x00\x00")
+    return png[:-12] + png_chunk(b"eXIf", exif) + png[-12:]
+
+
+def xmp_chunk(orientation: int) -> bytes:
+    """An iTXt XMP packet carrying an orientation, which PIL applies when EXIF has none."""
+    packet = f'<x:xmpmeta><rdf:RDF><rdf:Description tiff:Orientation="{orientation}"/></rdf:RDF></x:xmpmeta>'
+    return png_chunk(b"iTXt", b"XML:com.adobe.xmp\x00\x00\x00\x00\x00" + packet.encode())
+
+
 def animated_png() -> bytes:
     first, second = (Image.fromarray(noise(7, 5, seed)) for seed in (1, 2))
     return encoded(first, save_all=True, append_images=[second], duration=100)
@@ -129,7 +141,21 @@ PNGS_FOR_PIL = {
     "rgb png with exif in a text chunk": lambda: with_chunks(
         encoded(Image.fromarray(noise(7, 5, 5))), exif_text_chunk(8)
     ),
+    "rgb png with exif after its pixels": lambda: exif_after_pixels(
+        encoded(Image.fromarray(noise(7, 5, 7))), 6
+    ),
+    "rgb png with an xmp orientation": lambda: with_chunks(
+        encoded(Image.fromarray(noise(7, 5, 8))), xmp_chunk(6)
+    ),
     "animated png": animated_png,
+}
+
+
+# The cases whose orientation turns the 7x5 image a quarter: stored, hence laid out, as 5x7.
+QUARTER_TURNED = {
+    "exif orientation 6",
+    "exif orientation 8",
+    *(name for name in PNGS_FOR_PIL if "exif" in name or "xmp" in name),
 }
 
 
@@ -173,7 +199,7 @@ def test_the_read_image_is_what_vllms_own_loader_makes_of_the_bytes(
     assert theirs.mode == "RGB" and ours.dtype == np.uint8
     assert ours.shape == (theirs.height, theirs.width, 3) == (stored.height, stored.width, 3)
     assert np.array_equal(ours, np.asarray(theirs))
-    if name in ("exif orientation 6", "rgb png with exif orientation 6", "rgb png with exif in a text chunk"):
+    if name in QUARTER_TURNED:
         assert (stored.width, stored.height) == (5, 7)
     if name == "rgba":
         assert not np.array_equal(ours, np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))

@@ -8,6 +8,7 @@ outside the volume nor make us decode a bomb.
 
 from __future__ import annotations
 
+import struct
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,24 +27,42 @@ from rawmm.materialize.decode import DEFAULT_MAX_IMAGE_PIXELS, displayed_rgb, op
 # Any PNG decoder gives the file's own pixels for these; OpenCV's releases the GIL and hands back an array,
 # where PIL holds the GIL to copy its pixels out (~1 ms a screenshot, all of a miss that cannot overlap).
 _CV2_RGB = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION
-# Chunks after which PIL's pixels may differ from another decoder's: EXIF (PIL turns the image as it says;
-# it may also sit in a text chunk, or after the pixels) and animation (which frame shows is the decoder's
-# choice). Found anywhere, even by chance inside compressed data, they only send the image to PIL.
-_PNG_MARKERS_FOR_PIL = (b"eXIf", b"Raw profile type exif", b"acTL")
+# Chunks after which PIL's pixels may differ from another decoder's: EXIF or XMP, whose orientation PIL
+# applies (EXIF may also sit in a text chunk), and animation (which frame shows is the decoder's choice).
+_CHUNKS_FOR_PIL = frozenset({b"eXIf", b"acTL"})
+_TEXT_CHUNKS = frozenset({b"tEXt", b"zTXt", b"iTXt"})
+_KEYWORDS_FOR_PIL = (b"Raw profile type exif\x00", b"XML:com.adobe.xmp\x00")
 
 RgbPixels: TypeAlias = npt.NDArray[np.uint8]
 """An image as displayed: ``(height, width, 3)`` uint8 RGB, rows top to bottom."""
 
 
+def png_chunks_need_pil(data: bytes) -> bool:
+    """Whether a PNG's chunk list (walked header to header: a few dozen steps, where scanning the bytes for
+    markers would cost a third of a millisecond under the GIL) has a chunk only PIL renders as displayed;
+    a list that does not end in IEND counts as one too."""
+    offset = 8  # past the signature
+    while offset + 8 <= len(data):
+        length, kind = struct.unpack_from(">I4s", data, offset)
+        if kind == b"IEND":
+            return False
+        if kind in _CHUNKS_FOR_PIL:
+            return True
+        if kind in _TEXT_CHUNKS and data.startswith(_KEYWORDS_FOR_PIL, offset + 8):
+            return True
+        offset += 12 + length  # length, type, data, CRC
+    return True
+
+
 def plain_rgb_png(opened: ImageFile.ImageFile, data: bytes) -> bool:
-    """An 8-bit RGB PNG with no EXIF or animation: what it displays is what it stores (a transparent colour
-    leaves RGB pixels as they are, in PIL and in vLLM's loader alike)."""
+    """An 8-bit RGB PNG with no EXIF, XMP or animation: what it displays is what it stores (a transparent
+    colour leaves RGB pixels as they are, in PIL and in vLLM's loader alike)."""
     return (
         opened.format == "PNG"
         and opened.mode == "RGB"
         and bool(opened.tile)
         and opened.tile[0].args == "RGB"  # not 16-bit ("RGB;16B"), which PIL narrows itself
-        and not any(marker in data for marker in _PNG_MARKERS_FOR_PIL)
+        and not png_chunks_need_pil(data)
     )
 
 
