@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,6 +120,26 @@ def running_server(
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=30)
+
+
+@contextmanager
+def request_in_flight(url: str, route: str, body: Any) -> Iterator[None]:
+    """A POST of ``body`` on a connection of its own whose response is never read: leaving the block hangs up,
+    as a client that timed out or gave up does."""
+    address = httpx.URL(url)
+    content = json.dumps(body).encode()
+    head = f"POST {route} HTTP/1.1\r\nHost: {address.host}\r\nContent-Type: application/json\r\n"
+    with socket.create_connection((address.host, address.port or 80), timeout=30.0) as sock:
+        sock.sendall(f"{head}Content-Length: {len(content)}\r\n\r\n".encode() + content)
+        yield
+
+
+def poll(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Wait until ``condition()`` holds; fail naming ``what`` once ``timeout_s`` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
+        time.sleep(0.05)
 
 
 def picture(seed: int, width: int = 64, height: int = 48) -> Image.Image:

@@ -53,3 +53,36 @@ async def test_uint8_items_generate_exactly_what_normalized_items_do(
     assert item_bytes["normalized"] == 4 * item_bytes["uint8"]
     normalized, raw = generations["normalized"], generations["uint8"]
     assert raw.token_ids == normalized.token_ids and raw.logprobs == normalized.logprobs
+
+
+@pytest.mark.slow
+async def test_a_cancelled_generation_stops_decoding_before_the_call_returns(tiny_qwen2_vl: Path) -> None:
+    import asyncio
+    import time
+
+    engine = TransformersEngine(str(tiny_qwen2_vl), load_processor(tiny_qwen2_vl, pixels="uint8"))
+    engine.eos_token_ids = set()  # every generation runs to max_tokens unless stopped
+    forwards = 0
+
+    def count(*_: object) -> None:
+        nonlocal forwards
+        forwards += 1
+
+    engine.model.register_forward_hook(count)
+    max_tokens = 2000
+    try:
+        endless = asyncio.ensure_future(engine.generate([5, 6, 7], [], Sampling(max_tokens=max_tokens)))
+        deadline = time.monotonic() + 60
+        while forwards < 5:
+            assert time.monotonic() < deadline, "decoding did not start within 60 s"
+            await asyncio.sleep(0.01)
+        endless.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await endless
+        stopped_at = forwards
+        assert stopped_at < max_tokens
+        # The engine thread is free: the next request runs at once (the prefill and 2 decoding steps).
+        after = await engine.generate([5, 6, 7], [], Sampling(max_tokens=3, seed=0))
+        assert len(after.token_ids) == 3 and forwards == stopped_at + 3 + 1
+    finally:
+        await engine.close()

@@ -120,7 +120,10 @@ class Engine(ABC):
     async def generate(
         self, token_ids: list[int], images: Sequence[ImageInput], sampling: Sampling
     ) -> Generation:
-        """Sample a completion; the images are in prompt order."""
+        """Sample a completion; the images are in prompt order.
+
+        Cancelled when the request's client goes away: the engine then stops generating and lets go of the
+        images before the ``CancelledError`` propagates, since the caller's lease on their items ends with it."""
 
     @abstractmethod
     async def load_weights(self, path: str) -> int:

@@ -9,19 +9,27 @@ away is a 403 ``weights_refused`` (``weights_disabled``, ``missing_token``, ``in
 ``outside_weights_root``), counted in ``rawmm_weights_refused_total{reason}``. Only a genuine server fault
 is a 500.
 
+A generate request whose client disconnects before its response is cancelled (``until_disconnected``): its
+materializations stop waiting (one shared with another request goes on for it), its items' leases are
+released and the engine abandons its generation (vLLM aborts it); it is counted as
+``rawmm_engine_requests_total{status="cancelled"}``. A weight update always runs to its end.
+
 The routes are the same on our own app (the transformers engine) and mounted on vLLM's OpenAI server.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from rawmm import metrics
 from rawmm.contract import InvalidImageRef
@@ -43,6 +51,8 @@ from rawmm.serving.guard import WEIGHTS_DISABLED, WeightsGuard, WeightsRefused
 from rawmm.serving.images import RequestImages
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # A generate body is token ids plus small refs (a 32k-token prompt with 100 images is under 1 MiB); anything
 # far larger is refused before it is read into memory.
@@ -103,16 +113,42 @@ def weights_refused_response(exc: WeightsRefused) -> JSONResponse:
     return _error(exc.status, "weights_refused", exc.reason, exc.message)
 
 
+async def _disconnect(request: Request) -> None:
+    """Return when the ASGI server reports the client gone. Only once the body has been read: every message
+    this consumes is lost to the route (after the body, the server has only ``http.disconnect`` to send)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """``work``'s result; ``ClientDisconnect`` when the client goes away first, once ``work`` is cancelled and
+    settled (its image leases released, its engine request aborted).
+
+    The disconnect is the ASGI ``http.disconnect`` message, awaited as Starlette's ``StreamingResponse`` does:
+    it arrives the moment the server sees the connection close, costs nothing meanwhile, and passes through
+    Starlette's ``BaseHTTPMiddleware``, where ``Request.is_disconnected()`` (a poll, besides) can miss it.
+    """
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the handler itself cancelled (server shutdown): so is the work
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task.done():  # also when both finished at once: the response is ready
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnect()
+
+
 def build_router(engine: Engine, images: RequestImages, guard: WeightsGuard = WEIGHTS_DISABLED) -> APIRouter:
     """The rawmm routes over ``engine``: generate, weights (behind ``guard``), health, metrics."""
     router = APIRouter()
 
-    @router.post(GENERATE_PATH, response_model=GenerateResponse)
-    async def generate(request: Request) -> Any:
-        body = await _parse_body(request, GenerateRequest)
-        if isinstance(body, JSONResponse):
-            metrics.ENGINE_REQUESTS.labels(status="invalid").inc()
-            return body
+    async def serve_generate(body: GenerateRequest) -> Any:
         try:
             engine.check_prompt(body.prompt_token_ids, body.sampling.max_tokens)
             parsed = images.parse(body.features, body.prompt_token_ids, engine.placeholder_token_id)
@@ -145,6 +181,20 @@ def build_router(engine: Engine, images: RequestImages, guard: WeightsGuard = WE
             finish_reason=generation.finish_reason,
             weights_version=generation.weights_version,
         )
+
+    @router.post(GENERATE_PATH, response_model=GenerateResponse)
+    async def generate(request: Request) -> Any:
+        try:
+            body = await _parse_body(request, GenerateRequest)
+            if isinstance(body, JSONResponse):
+                metrics.ENGINE_REQUESTS.labels(status="invalid").inc()
+                return body
+            return await until_disconnected(request, serve_generate(body))
+        except ClientDisconnect:  # while it sent the body, or before its response
+            metrics.ENGINE_REQUESTS.labels(status="cancelled").inc()
+            log.info("generate cancelled: the client disconnected before the response")
+            # Nobody reads it; 499 is the access logs' "client closed request".
+            return _error(499, "invalid_request", "client_disconnected", "the client disconnected")
 
     @router.post(WEIGHTS_PATH, response_model=WeightsResponse)
     async def load_weights(request: Request) -> Any:

@@ -3,7 +3,8 @@
 Generation runs on one dedicated thread, one request at a time (correctness first): a prefill with the
 prompt and its images' ``pixel_values`` / ``image_grid_thw`` / ``mm_token_type_ids`` (Qwen computes its
 own M-RoPE positions from them), then token-by-token decoding on the KV cache. Weight updates run on the
-same thread between requests, behind the ``WeightsGate``.
+same thread between requests, behind the ``WeightsGate``. A cancelled request (its client went away) stops
+decoding before its next token.
 
 Items carry the pixels of the processor's representation: ``uint8`` items (a quarter of float32 in the
 materialize cache) are normalized on use, per request, bit-exact to the processor's normalized pixels.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -67,15 +69,24 @@ class TransformersEngine(Engine):
         self, token_ids: list[int], images: Sequence[ImageInput], sampling: Sampling
     ) -> Generation:
         async with self.gate.generating() as version:
-            loop = asyncio.get_running_loop()
-            token_ids_out, logprobs, finish = await loop.run_in_executor(
-                self._thread, self._generate_sync, token_ids, list(images), sampling
-            )
+            stop = threading.Event()
+            job = self._thread.submit(self._generate_sync, token_ids, list(images), sampling, stop)
+            running = asyncio.wrap_future(job)
+            try:
+                token_ids_out, logprobs, finish = await asyncio.shield(running)
+            except asyncio.CancelledError:
+                # Abandoned: a queued job never starts, a running one stops before its next token. Wait for
+                # the thread to let go of the images (the caller's lease on them ends with this call).
+                stop.set()
+                job.cancel()
+                await asyncio.wait((running,))
+                running.cancelled() or running.exception()  # whatever it raised, nobody wants it now
+                raise
         return Generation(token_ids_out, logprobs, finish, version)
 
     @torch.inference_mode()
     def _generate_sync(
-        self, token_ids: list[int], images: list[ImageInput], sampling: Sampling
+        self, token_ids: list[int], images: list[ImageInput], sampling: Sampling, stop: threading.Event
     ) -> tuple[list[int], list[float], str]:
         model = self.model
         model.model.rope_deltas = None  # cached per request by Qwen; never let one leak into the next
@@ -93,6 +104,8 @@ class TransformersEngine(Engine):
         generated: list[int] = []
         logprobs: list[float] = []
         for _ in range(sampling.max_tokens):
+            if stop.is_set():
+                break  # abandoned: the caller discards what was generated
             token, logprob = sample_token(
                 out.logits[0, -1], temperature=sampling.temperature, top_p=sampling.top_p, generator=generator
             )
