@@ -15,7 +15,7 @@ from PIL import Image
 
 from rawmm.contract import InvalidImageRef, OffloadStore, RawImageDescriptor, encode_ref, parse_ref
 from rawmm.materialize import read as read_module
-from rawmm.materialize.read import decode_pixels, plain_rgb_png, read_ref_image
+from rawmm.materialize.read import decode_pixels, plain_png, read_ref_image
 
 
 def descriptor(uri: str) -> RawImageDescriptor:
@@ -114,9 +114,11 @@ def animated_png() -> bytes:
     return encoded(first, save_all=True, append_images=[second], duration=100)
 
 
-# Plain 8-bit RGB PNGs (screenshots) decode with OpenCV; these must give PIL's pixels, colour chunks and all.
+# Plain 8-bit RGB and RGBA PNGs (screenshots) decode with OpenCV; these must give PIL's pixels, colour chunks
+# and all. (A translucent RGBA one, "rgba" above, goes on to PIL for its composite over white.)
 PLAIN_PNGS = {
     "plain rgb png": lambda: encoded(Image.fromarray(noise(53, 37))),
+    "opaque rgba png": lambda: encoded(Image.fromarray(noise(53, 37, 9)).convert("RGBA")),
     "rgb png with colour chunks": lambda: with_chunks(
         encoded(Image.fromarray(noise(53, 37, 1))),
         png_chunk(b"gAMA", struct.pack(">I", 100_000)),
@@ -132,7 +134,7 @@ PLAIN_PNGS = {
         Image.fromarray(noise(7, 5, 6)), transparency=tuple(int(v) for v in noise(7, 5, 6)[0, 0])
     ),
 }
-# RGB PNGs whose displayed pixels need PIL: they must not take the OpenCV path.
+# PNGs whose displayed pixels need PIL: they must not take the OpenCV path.
 PNGS_FOR_PIL = {
     "16-bit rgb png": lambda: raw_png(noise(9, 6, 3).astype(np.uint16) * 257 + 3, 16),
     "rgb png with exif orientation 6": lambda: encoded(
@@ -189,7 +191,7 @@ def test_the_read_image_is_what_vllms_own_loader_makes_of_the_bytes(
 ) -> None:
     """Raw refs must reach the model as data URLs of the same bytes do on vLLM: the same orientation, and
     transparency over white (not the colours under it); the stored size (hence the layout) is the displayed one.
-    Whichever decoder reads it (OpenCV for plain RGB PNGs, PIL for the rest), the pixels are vLLM's."""
+    Whichever decoder reads it (OpenCV for plain RGB and opaque RGBA PNGs, PIL for the rest), the pixels are vLLM's."""
     from vllm.multimodal.media.image import ImageMediaIO
 
     data = vllm_case(name)
@@ -206,9 +208,9 @@ def test_the_read_image_is_what_vllms_own_loader_makes_of_the_bytes(
 
 
 @pytest.mark.parametrize("name", [*PLAIN_PNGS, *PNGS_FOR_PIL])
-def test_only_plain_rgb_pngs_take_the_opencv_decoder(name: str) -> None:
+def test_only_plain_pngs_take_the_opencv_decoder(name: str) -> None:
     data = {**PLAIN_PNGS, **PNGS_FOR_PIL}[name]()
-    assert plain_rgb_png(Image.open(io.BytesIO(data)), data) == (name in PLAIN_PNGS)
+    assert plain_png(Image.open(io.BytesIO(data)), data) == (name in PLAIN_PNGS)
 
 
 def test_a_png_opencv_cannot_decode_goes_to_pil(monkeypatch: pytest.MonkeyPatch) -> None:

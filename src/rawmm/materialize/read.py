@@ -24,9 +24,10 @@ from rawmm.contract.refs import check_mm_hash
 from rawmm.contract.store import read_verified
 from rawmm.materialize.decode import DEFAULT_MAX_IMAGE_PIXELS, displayed_rgb, open_image
 
-# Any PNG decoder gives the file's own pixels for these; OpenCV's releases the GIL and hands back an array,
-# where PIL holds the GIL to copy its pixels out (~1 ms a screenshot, all of a miss that cannot overlap).
-_CV2_RGB = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION
+# Any PNG decoder gives the file's own pixels for plain PNGs; OpenCV's releases the GIL and hands back an
+# array, where PIL holds the GIL to copy its pixels out (~1 ms a screenshot, all of a miss that two worker
+# threads could not overlap). RGBA comes back as BGRA.
+_OPENCV_FLAGS = {"RGB": cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION, "RGBA": cv2.IMREAD_UNCHANGED}
 # Chunks after which PIL's pixels may differ from another decoder's: EXIF or XMP, whose orientation PIL
 # applies (EXIF may also sit in a text chunk), and animation (which frame shows is the decoder's choice).
 _CHUNKS_FOR_PIL = frozenset({b"eXIf", b"acTL"})
@@ -54,30 +55,42 @@ def png_chunks_need_pil(data: bytes) -> bool:
     return True
 
 
-def plain_rgb_png(opened: ImageFile.ImageFile, data: bytes) -> bool:
-    """An 8-bit RGB PNG with no EXIF, XMP or animation: what it displays is what it stores (a transparent
-    colour leaves RGB pixels as they are, in PIL and in vLLM's loader alike)."""
+def plain_png(opened: ImageFile.ImageFile, data: bytes) -> bool:
+    """An 8-bit RGB or RGBA PNG with no EXIF, XMP or animation: what it displays is what it stores, once an
+    RGBA one turns out opaque (a transparent colour leaves RGB pixels as they are, in PIL and in vLLM's
+    loader alike)."""
     return (
         opened.format == "PNG"
-        and opened.mode == "RGB"
+        and opened.mode in _OPENCV_FLAGS
         and bool(opened.tile)
-        and opened.tile[0].args == "RGB"  # not 16-bit ("RGB;16B"), which PIL narrows itself
+        and opened.tile[0].args == opened.mode  # 8 bits a channel, not "RGB;16B", which PIL narrows itself
         and not png_chunks_need_pil(data)
     )
 
 
+def opencv_pixels(data: bytes, opened: ImageFile.ImageFile) -> RgbPixels | None:
+    """A plain PNG decoded by OpenCV as displayed RGB pixels; None where PIL must decide: OpenCV refused the
+    file, or an RGBA image is not opaque (PIL composites it over white, with its own rounding)."""
+    try:
+        pixels = cv2.imdecode(np.frombuffer(data, np.uint8), _OPENCV_FLAGS[opened.mode])
+    except cv2.error:
+        return None
+    if pixels is None or pixels.shape != (opened.height, opened.width, len(opened.mode)):
+        return None
+    if opened.mode == "RGBA":
+        if pixels[..., 3].min() != 255:
+            return None
+        pixels = cv2.cvtColor(pixels, cv2.COLOR_BGRA2RGB)
+    return cast(RgbPixels, pixels)
+
+
 def decode_pixels(data: bytes, *, max_pixels: int, source: str) -> RgbPixels:
     """Encoded bytes as displayed RGB pixels, exactly PIL's (hence vLLM's own loader's), refusing images over
-    ``max_pixels`` before decoding. A plain RGB PNG (screenshots) decodes with OpenCV, off the GIL; anything
-    else, or a PNG OpenCV cannot decode, goes through PIL, which has the last word."""
+    ``max_pixels`` before decoding. A plain PNG (screenshots) decodes with OpenCV, off the GIL; anything
+    else, or a PNG OpenCV cannot show as PIL would, goes through PIL, which has the last word."""
     opened = open_image(data, max_pixels=max_pixels, source=source)
-    if plain_rgb_png(opened, data):
-        try:
-            pixels = cv2.imdecode(np.frombuffer(data, np.uint8), _CV2_RGB)
-        except cv2.error:
-            pixels = None
-        if pixels is not None and pixels.shape == (opened.height, opened.width, 3):
-            return cast(RgbPixels, pixels)
+    if plain_png(opened, data) and (pixels := opencv_pixels(data, opened)) is not None:
+        return pixels
     return np.array(displayed_rgb(opened, source=source))
 
 
