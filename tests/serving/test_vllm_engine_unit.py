@@ -198,15 +198,27 @@ class CachingClient(ScriptedClient):
         self.receiver = LruKeyReplicatedReceiverCache(config)
         self.received: list[list[bool]] = []  # per engine request: which items carried data
 
+    def _receive(self, engine_input: Any) -> None:
+        """The engine core takes a request's items into its receiver cache (a miss raises)."""
+        items = engine_input["mm_kwargs"]["image"]
+        self.received.append([item is not None for item in items])
+        for item, mm_hash in zip(items, engine_input["mm_hashes"]["image"], strict=True):
+            self.receiver.get_and_update_item(item, mm_hash)
+
+    async def add_request(self, request_id: str, engine_input: Any, params: Any) -> Any:
+        self._step("add_request")
+        self._receive(engine_input)
+        return SimpleNamespace(request_id=request_id)
+
+    async def abort(self, request_id: str, internal: bool = False) -> None:
+        self._step("abort", request_id)
+
     async def generate(self, engine_input: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
         from vllm.multimodal.cache import MultiModalCacheMissError
 
         self._step("generate")
-        items = engine_input["mm_kwargs"]["image"]
-        self.received.append([item is not None for item in items])
         try:
-            for item, mm_hash in zip(items, engine_input["mm_hashes"]["image"], strict=True):
-                self.receiver.get_and_update_item(item, mm_hash)
+            self._receive(engine_input)
         except MultiModalCacheMissError as miss:
             for mm_hash in miss.mm_hashes:
                 self.renderer.mm_processor_cache.invalidate(mm_hash)
@@ -215,18 +227,14 @@ class CachingClient(ScriptedClient):
         yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[], logprobs=[], finish_reason="stop")])
 
 
-async def test_a_drifted_receiver_cache_is_resent_once_with_the_data(
-    tiny_qwen2_vl: Path, tmp_path: Path
-) -> None:
+async def one_image(engine: Any, tmp_path: Path) -> tuple[list[int], list[Any]]:
+    """A prompt of one image between two text tokens, and its materialized item."""
     from PIL import Image
 
-    from rawmm import metrics
     from rawmm.contract import FeatureImage, OffloadStore, describe_stored_image, encode_ref, parse_ref
     from rawmm.materialize import MaterializeCache
     from rawmm.serving.images import RequestImages
 
-    client = CachingClient(tiny_qwen2_vl, cache_gb=0.01)
-    engine = engine_for(client, tiny_qwen2_vl)
     store = OffloadStore(tmp_path / "offload")
     stored = store.put(Image.new("RGB", (64, 48), (200, 40, 90)))
     loaded = engine.processor
@@ -240,6 +248,17 @@ async def test_a_drifted_receiver_cache_is_resent_once_with_the_data(
     images = await RequestImages(
         loaded, roots=[store.root], cache=MaterializeCache(0), max_pixels=10**8
     ).materialize([feature])
+    return token_ids, images
+
+
+async def test_a_drifted_receiver_cache_is_resent_once_with_the_data(
+    tiny_qwen2_vl: Path, tmp_path: Path
+) -> None:
+    from rawmm import metrics
+
+    client = CachingClient(tiny_qwen2_vl, cache_gb=0.01)
+    engine = engine_for(client, tiny_qwen2_vl)
+    token_ids, images = await one_image(engine, tmp_path)
     resends = metrics.ENGINE_CORE_RESENDS._value.get()
 
     await engine.generate(token_ids, images, Sampling(max_tokens=2))
@@ -250,6 +269,49 @@ async def test_a_drifted_receiver_cache_is_resent_once_with_the_data(
     assert generation.finish_reason == "stop"
     assert client.received[2:] == [[False], [True]]  # the hash missed; the retry carried the data
     assert metrics.ENGINE_CORE_RESENDS._value.get() - resends == 1
+    client.renderer._mm_executor.shutdown()
+
+
+async def test_a_request_cancelled_while_its_items_pass_the_sender_cache_still_reaches_the_engine_core(
+    tiny_qwen2_vl: Path, tmp_path: Path
+) -> None:
+    """The sender cache (P0) takes the items of a request cancelled midway as sent: the engine core's receiver
+    cache (P1) must take them too, or the next request's hashes miss there."""
+    import asyncio
+    import threading
+    import time
+
+    from rawmm import metrics
+
+    client = CachingClient(tiny_qwen2_vl, cache_gb=0.01)
+    engine = engine_for(client, tiny_qwen2_vl)
+    token_ids, images = await one_image(engine, tmp_path)
+    sender = client.renderer.mm_processor_cache
+    passing, release = threading.Event(), threading.Event()
+    real = sender.get_and_update_item
+
+    def gated(*args: Any) -> Any:
+        passing.set()
+        assert release.wait(timeout=30)
+        return real(*args)
+
+    sender.get_and_update_item = gated
+    cancelled = asyncio.ensure_future(engine.generate(token_ids, images, Sampling(max_tokens=2)))
+    deadline = time.monotonic() + 30
+    while not passing.is_set():
+        assert time.monotonic() < deadline, "the items never reached the sender cache"
+        await asyncio.sleep(0.01)
+    cancelled.cancel()  # while P0 takes the item
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    sender.get_and_update_item = real
+    assert [name for name, _ in client.calls] == ["add_request", "abort"]  # sent, then aborted
+    resends = metrics.ENGINE_CORE_RESENDS._value.get()
+    generation = await engine.generate(token_ids, images, Sampling(max_tokens=2))
+    assert generation.finish_reason == "stop"
+    assert client.received == [[True], [False]]  # the next request's hash alone found the item in P1
+    assert metrics.ENGINE_CORE_RESENDS._value.get() == resends
     client.renderer._mm_executor.shutdown()
 
 

@@ -242,15 +242,23 @@ class VllmEngine(Engine):
         return Generation(generated, logprobs, completion.finish_reason, version)
 
     async def _generate_once(self, engine_input: Any, params: SamplingParams) -> Any:
-        """One engine request: its items through the sender cache, then vLLM's generate; the final output."""
-        sent = await self._dedupe(engine_input)
+        """One engine request: its items through the sender cache, then vLLM's generate; the final output.
+
+        Cancelled (the client went away), vLLM's generate aborts the request in the engine core."""
+        request_id = f"rawmm-{uuid.uuid4().hex}"
+        dedupe = asyncio.ensure_future(self._dedupe(engine_input))
+        try:
+            sent = await asyncio.shield(dedupe)
+        except asyncio.CancelledError:
+            await self._hand_over_abandoned(dedupe, request_id, engine_input, params)
+            raise
         counted = [item for items in engine_input.get("mm_kwargs", {}).values() for item in items]
         metrics.ENGINE_CORE_ITEMS.labels(sent="data").inc(sum(item is not None for item in counted))
         metrics.ENGINE_CORE_ITEMS.labels(sent="hash").inc(sum(item is None for item in counted))
         metrics.ENGINE_CORE_ITEM_BYTES.inc(sent)
         final = None
         try:
-            async for output in self.client.generate(engine_input, params, f"rawmm-{uuid.uuid4().hex}"):
+            async for output in self.client.generate(engine_input, params, request_id):
                 final = output
         except VLLMClientError as exc:
             # vLLM's own validation (prompt past max_model_len after expansion, an image over the
@@ -259,6 +267,20 @@ class VllmEngine(Engine):
         except EngineDeadError as exc:
             raise EngineUnavailable(f"the vLLM engine core is dead: {exc}") from exc
         return final
+
+    async def _hand_over_abandoned(
+        self, dedupe: asyncio.Future[int], request_id: str, engine_input: Any, params: SamplingParams
+    ) -> None:
+        """A request cancelled while its items pass the sender cache: once they have, that cache takes them
+        as held by the engine core, whose receiver cache takes them only from a request it receives. So the
+        request is still sent, and aborted at once; otherwise a later request would send their hashes
+        alone to an engine core that never had them."""
+        try:
+            await dedupe
+            collector = await self.client.add_request(request_id, engine_input, params)
+            await self.client.abort(collector.request_id, internal=True)
+        except Exception:
+            log.exception("handing an abandoned request's items to the engine core failed")
 
     async def _dedupe(self, engine_input: Any) -> int:
         renderer = getattr(self.client, "renderer", None)
