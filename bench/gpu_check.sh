@@ -19,7 +19,7 @@ PY
 
 # The vLLM test modules build their checkpoints with head_dim 128 when RAWMM_TINY_GPU_SHAPE=1.
 RAWMM_TINY_GPU_SHAPE=1 timeout 420 "$PY" -m pytest -q -p no:cacheprovider \
-  tests/serving/test_vllm_qwen2_vl.py tests/serving/test_vllm_qwen3_vl.py tests/serving/test_vllm_engine_unit.py \
+  tests/serving/test_vllm_qwen2_vl.py tests/serving/test_vllm_qwen3_vl.py tests/serving/test_vllm_engine_unit.py tests/serving/test_vllm_disconnect.py \
   --durations=5 2>&1 | tee "$OUT/tests.txt"
 
 RAWMM_TINY_GPU_SHAPE=1 timeout 150 "$PY" bench/vllm_multiturn.py --rollouts 8 --turns 10 2>&1 | tee "$OUT/vllm_multiturn.txt"
