@@ -54,6 +54,7 @@ from screens import screenshot_png
 
 from rawmm.contract import FeatureImage, OffloadStore, describe_stored_image, encode_ref, parse_ref
 from rawmm.materialize import LoadedProcessor, MaterializeCache, load_processor, materialize_engine_item
+from rawmm.materialize.cache import share_one_allocator_arena
 from rawmm.serving.images import RequestImages
 
 
@@ -405,6 +406,7 @@ def main() -> None:
         "--budget", default=256 * 2**20, type=int, help="cache budget for the RSS check (bytes)"
     )
     args = parser.parse_args()
+    share_one_allocator_arena()  # as `rawmm serve` does: the allocator the engine's misses run on
     size = tuple(int(v) for v in args.turn_image.split("x"))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -7,6 +7,8 @@ the cache releases them after each eighth of its budget evicted; bench/engine_me
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -141,3 +143,33 @@ async def test_waiting_misses_are_sized_once_the_first_item_teaches_the_size() -
         rest.set()
         await asyncio.gather(*tasks)
     assert (cache._unsized, cache._reserved) == (0, 0)
+
+
+ARENAS_PROBE = """
+import ctypes, os, sys, threading
+from rawmm.materialize.cache import share_one_allocator_arena
+if sys.argv[1] == "shared":
+    share_one_allocator_arena()
+held, started = [], threading.Barrier(4)
+def allocate():
+    started.wait()  # all four threads allocate at once
+    held.append([bytearray(1 << 20) for _ in range(4)])
+threads = [threading.Thread(target=allocate) for _ in range(4)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+sys.stderr.flush()
+ctypes.CDLL(None).malloc_stats()  # glibc: one "Arena N:" block per arena, on stderr
+"""
+
+
+@pytest.mark.parametrize(("mode", "one_arena"), [("shared", True), ("default", False)])
+def test_a_server_allocates_from_one_arena_on_every_thread(mode: str, one_arena: bool) -> None:
+    # Items freed on eviction are reused by the next miss whichever worker thread runs it; with an arena
+    # per thread, each thread's freed pages wait for that thread (bench/engine_memory.py measures the RSS).
+    out = subprocess.run(
+        [sys.executable, "-c", ARENAS_PROBE, mode], capture_output=True, text=True, check=True
+    )
+    arenas = out.stderr.count("Arena ")
+    assert (arenas == 1) == one_arena, out.stderr

@@ -124,7 +124,10 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
 
     from rawmm.materialize import DEFAULT_MAX_IMAGE_PIXELS, MaterializeCache, load_processor
+    from rawmm.materialize.cache import share_one_allocator_arena
     from rawmm.serving.images import PixelBudget, RequestImages
+
+    share_one_allocator_arena()  # before torch, vLLM or the materialize workers start threads
 
     try:
         # uint8 items: the transformers engine normalizes on use (vLLM picks its own representation below).

@@ -22,6 +22,11 @@ later items live on the heap and in per-thread arenas, whose freed pages it keep
 the budget filling a cache in-process, 1.25x in a vLLM API server). After each eighth of the budget
 evicted, the cache hands the free pages back (``malloc_trim``; 0.91x, no measurable cost per miss), on a
 thread of its own: one trim of a 2 GiB heap takes ~25 ms, too long to stall the event loop.
+
+A server also keeps all its threads on one allocator arena (``share_one_allocator_arena``): items are
+allocated on whichever worker thread missed and freed on eviction, and glibc gives each thread an arena of
+its own, whose freed pages only that thread's later allocations reuse, so until the next trim the others
+grow anew (a vLLM API server filling a 1 GiB cache peaked at 1.15x the budget, 1.07x on one arena).
 """
 
 from __future__ import annotations
@@ -45,7 +50,17 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TRIM_EVERY = 8  # release freed memory after evicting 1/TRIM_EVERY of the budget
-_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
+_libc = ctypes.CDLL(None)
+_malloc_trim = getattr(_libc, "malloc_trim", None)  # glibc only
+_mallopt = getattr(_libc, "mallopt", None)
+_M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def share_one_allocator_arena() -> None:
+    """Have threads created from now on allocate from glibc's main arena (a no-op elsewhere): call it before
+    the server starts its worker threads."""
+    if _mallopt is not None:
+        _mallopt(_M_ARENA_MAX, 1)
 
 
 def release_freed_memory() -> None:
