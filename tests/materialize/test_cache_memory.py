@@ -145,6 +145,49 @@ async def test_waiting_misses_are_sized_once_the_first_item_teaches_the_size() -
     assert (cache._unsized, cache._reserved) == (0, 0)
 
 
+async def test_a_request_that_leaves_keeps_its_room_reserved_until_its_fill_ends() -> None:
+    """Budget 100, 90-byte items: a request that hangs up while its miss runs must not let the next miss in
+    beside that still-running work (each hang-up would otherwise admit one more miss past the budget)."""
+    cache: MaterializeCache[Item] = MaterializeCache(100)
+    started = {key: threading.Event() for key in "ab"}
+    finish = {key: threading.Event() for key in "ab"}
+
+    def work(key: str) -> Callable[[], Item]:
+        def run() -> Item:
+            started[key].set()
+            assert finish[key].wait(5)
+            return Item(90)
+
+        return run
+
+    async def request(key: str) -> None:
+        async with cache.lease() as lease:
+            await lease.get(key, work(key), expected_bytes=lambda: 90)
+
+    async def until(condition: Callable[[], bool]) -> None:
+        async with asyncio.timeout(5):
+            while not condition():
+                await asyncio.sleep(0.01)
+
+    async with cache.lease() as oldest:  # the oldest lease never waits: keep it out of the way
+        await oldest.get("warm", lambda: Item(1))
+        first = asyncio.create_task(request("a"))
+        await until(started["a"].is_set)
+        second = asyncio.create_task(request("b"))
+        await until(lambda: len(cache._leases) == 3)  # b waits for room beside a's reservation
+        first.cancel()  # its client hung up; its fill runs on
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not started["b"].is_set() and cache._reserved == 90  # still a's room
+        finish["a"].set()
+        await until(started["b"].is_set)  # a's fill ended and was stored: now b fits
+        finish["b"].set()
+        await second
+    assert cache._reserved == 0 and "b" in cache
+
+
 ARENAS_PROBE = """
 import ctypes, os, sys, threading
 from rawmm.materialize.cache import share_one_allocator_arena

@@ -15,7 +15,7 @@ from PIL import Image
 
 from rawmm.contract import InvalidImageRef, OffloadStore, RawImageDescriptor, encode_ref, parse_ref
 from rawmm.materialize import read as read_module
-from rawmm.materialize.read import decode_pixels, plain_png, read_ref_image
+from rawmm.materialize.read import decode_pixels, opencv_pixels, plain_png, read_ref_image
 
 
 def descriptor(uri: str) -> RawImageDescriptor:
@@ -210,7 +210,10 @@ def test_the_read_image_is_what_vllms_own_loader_makes_of_the_bytes(
 @pytest.mark.parametrize("name", [*PLAIN_PNGS, *PNGS_FOR_PIL])
 def test_only_plain_pngs_take_the_opencv_decoder(name: str) -> None:
     data = {**PLAIN_PNGS, **PNGS_FOR_PIL}[name]()
-    assert plain_png(Image.open(io.BytesIO(data)), data) == (name in PLAIN_PNGS)
+    opened = Image.open(io.BytesIO(data))
+    assert plain_png(opened, data) == (name in PLAIN_PNGS)
+    if name in PLAIN_PNGS:  # and OpenCV does decode them (PIL's fallback would hide a failing fast path)
+        assert opencv_pixels(data, opened) is not None
 
 
 def test_a_png_opencv_cannot_decode_goes_to_pil(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,6 +36,7 @@ import ctypes
 import hashlib
 import json
 import logging
+import os
 import threading
 from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
@@ -58,9 +59,11 @@ _M_ARENA_MAX = -8  # glibc's mallopt parameter
 
 def share_one_allocator_arena() -> None:
     """Have threads created from now on allocate from glibc's main arena (a no-op elsewhere): call it before
-    the server starts its worker threads."""
+    the server starts its worker threads. Processes it starts (vLLM's engine core, which keeps its own copy
+    of the items) inherit the setting through ``MALLOC_ARENA_MAX``, which glibc reads at process start."""
     if _mallopt is not None:
         _mallopt(_M_ARENA_MAX, 1)
+        os.environ.setdefault("MALLOC_ARENA_MAX", "1")
 
 
 def release_freed_memory() -> None:
@@ -129,6 +132,7 @@ class MaterializeCache(Generic[T]):
         self._reserved = 0  # expected bytes of leased misses not yet stored
         self._unsized = 0  # leased misses of unknown size not yet stored
         self._room: asyncio.Condition | None = None
+        self._notifying: set[asyncio.Task[None]] = set()  # referenced until done (asyncio keeps weak refs)
         self._evicted_since_trim = 0
         if self.enabled:
             metrics.CACHE_CAPACITY_BYTES.set(max_bytes)
@@ -248,6 +252,14 @@ class MaterializeCache(Generic[T]):
         else:
             self._reserved -= expected
 
+    def _settle_soon(self, expected: int | None) -> None:
+        """Settle the reservation of a fill whose requester left, once the fill has ended: its bytes stay
+        reserved while its thread still works, or every hang-up would admit one more miss past the budget."""
+        self._settle(expected)
+        notify = asyncio.get_running_loop().create_task(self._notify_room())
+        self._notifying.add(notify)
+        notify.add_done_callback(self._notifying.discard)
+
     async def _notify_room(self) -> None:
         if self._room is not None:
             async with self._room:
@@ -332,5 +344,9 @@ class Lease(Generic[T]):
         try:
             return await cache.get(key, work)
         finally:
-            cache._settle(expected)
-            await cache._notify_room()
+            fill = cache._inflight.get(key)
+            if fill is not None:  # the request left (cancelled) while its fill runs on in its thread
+                fill.add_done_callback(lambda _: cache._settle_soon(expected))
+            else:
+                cache._settle(expected)
+                await cache._notify_room()

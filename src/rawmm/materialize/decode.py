@@ -57,9 +57,10 @@ def exif_oriented(image: Image.Image) -> Image.Image:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB pixels, with transparency (an alpha channel, or a PNG's transparent colour) composited over white:
-    what vLLM's own image path does, so raw refs and data URLs of one image reach the model identically
-    (a plain ``convert("RGB")`` would drop the alpha and show what lies under it)."""
+    """RGB pixels, with transparency (an alpha channel, or a palette or grey PNG's transparent colour)
+    composited over white: what vLLM's own image path does, so raw refs and data URLs of one image reach the
+    model identically (a plain ``convert("RGB")`` would drop the alpha and show what lies under it). An RGB
+    image is returned as it is, its transparent colour included, as vLLM does."""
     if image.mode == "RGB":
         return image
     if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
