@@ -315,6 +315,45 @@ async def test_a_request_cancelled_while_its_items_pass_the_sender_cache_still_r
     client.renderer._mm_executor.shutdown()
 
 
+async def test_a_second_cancel_does_not_skip_the_hand_over(tiny_qwen2_vl: Path, tmp_path: Path) -> None:
+    """A request cancelled again while its hand-over waits for the sender cache (a shutdown cancelling
+    the handler) still reaches the engine core, and is aborted there."""
+    import asyncio
+    import threading
+    import time
+
+    client = CachingClient(tiny_qwen2_vl, cache_gb=0.01)
+    engine = engine_for(client, tiny_qwen2_vl)
+    token_ids, images = await one_image(engine, tmp_path)
+    sender = client.renderer.mm_processor_cache
+    passing, release = threading.Event(), threading.Event()
+    real = sender.get_and_update_item
+
+    def gated(*args: Any) -> Any:
+        passing.set()
+        assert release.wait(timeout=30)
+        return real(*args)
+
+    sender.get_and_update_item = gated
+    cancelled = asyncio.ensure_future(engine.generate(token_ids, images, Sampling(max_tokens=2)))
+    deadline = time.monotonic() + 30
+    while not passing.is_set():
+        assert time.monotonic() < deadline, "the items never reached the sender cache"
+        await asyncio.sleep(0.01)
+    cancelled.cancel()
+    for _ in range(5):
+        await asyncio.sleep(0)  # the hand-over now waits for the sender cache
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    release.set()
+    while [name for name, _ in client.calls] != ["add_request", "abort"]:
+        assert time.monotonic() < deadline, client.calls
+        await asyncio.sleep(0.01)
+    sender.get_and_update_item = real
+    client.renderer._mm_executor.shutdown()
+
+
 def test_vllms_multimodal_cache_defaults_to_the_materialize_budget(tiny_qwen2_vl: Path) -> None:
     from rawmm.serving.vllm_server import parse_vllm_args
 

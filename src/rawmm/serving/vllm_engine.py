@@ -198,6 +198,7 @@ class VllmEngine(Engine):
         self.weights_path = Path(model_config.model)
         self._served_tensors = checkpoint_tensors(self.weights_path)
         self._broken: str | None = None  # why the engine cannot serve (a reload that could not be undone)
+        self._handing_over: set[asyncio.Future[None]] = set()  # abandoned requests' hand-overs in flight
 
     async def check_health(self) -> None:
         if self._broken is not None:
@@ -250,7 +251,13 @@ class VllmEngine(Engine):
         try:
             sent = await asyncio.shield(dedupe)
         except asyncio.CancelledError:
-            await self._hand_over_abandoned(dedupe, request_id, engine_input, params)
+            # Shielded and referenced: a second cancel (shutdown) must not skip the hand-over.
+            hand_over = asyncio.ensure_future(
+                self._hand_over_abandoned(dedupe, request_id, engine_input, params)
+            )
+            self._handing_over.add(hand_over)
+            hand_over.add_done_callback(self._handing_over.discard)
+            await asyncio.shield(hand_over)
             raise
         counted = [item for items in engine_input.get("mm_kwargs", {}).values() for item in items]
         metrics.ENGINE_CORE_ITEMS.labels(sent="data").inc(sum(item is not None for item in counted))
@@ -277,6 +284,9 @@ class VllmEngine(Engine):
         alone to an engine core that never had them."""
         try:
             await dedupe
+            # One token at most, should the engine core schedule it before the abort lands.
+            params = params.clone()
+            params.max_tokens = 1
             collector = await self.client.add_request(request_id, engine_input, params)
             await self.client.abort(collector.request_id, internal=True)
         except Exception:
