@@ -345,7 +345,8 @@ def test_an_eviction_does_not_fail_the_run_and_a_replacement_pod_starts(run: Run
     assert not [
         c for c in job["status"].get("conditions", []) if c["type"] == "Failed" and c["status"] == "True"
     ]
-    assert run.status()["phase"] == "Running"
+    # The operator reports the run Provisioning while the replacement starts, Running once it sees it run.
+    run.until(lambda: run.status()["phase"] == "Running", "the run Running again")
 
 
 def test_a_failed_run_releases_every_pod(run: Run) -> None:
