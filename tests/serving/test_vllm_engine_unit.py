@@ -4,7 +4,11 @@ a reload that breaks midway). The real engine's behaviour is in test_vllm_qwen2_
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -272,17 +276,19 @@ async def test_a_drifted_receiver_cache_is_resent_once_with_the_data(
     client.renderer._mm_executor.shutdown()
 
 
-async def test_a_request_cancelled_while_its_items_pass_the_sender_cache_still_reaches_the_engine_core(
-    tiny_qwen2_vl: Path, tmp_path: Path
-) -> None:
-    """The sender cache (P0) takes the items of a request cancelled midway as sent: the engine core's receiver
-    cache (P1) must take them too, or the next request's hashes miss there."""
-    import asyncio
-    import threading
-    import time
+@dataclass
+class CancelledInSenderCache:
+    """A generate request cancelled while the sender cache (P0) takes its item; ``release`` lets P0 go on."""
 
-    from rawmm import metrics
+    client: CachingClient
+    engine: Any
+    token_ids: list[int]
+    images: Any
+    request: asyncio.Future[Any]
+    release: threading.Event
 
+
+async def cancelled_in_sender_cache(tiny_qwen2_vl: Path, tmp_path: Path) -> CancelledInSenderCache:
     client = CachingClient(tiny_qwen2_vl, cache_gb=0.01)
     engine = engine_for(client, tiny_qwen2_vl)
     token_ids, images = await one_image(engine, tmp_path)
@@ -293,22 +299,34 @@ async def test_a_request_cancelled_while_its_items_pass_the_sender_cache_still_r
     def gated(*args: Any) -> Any:
         passing.set()
         assert release.wait(timeout=30)
+        sender.get_and_update_item = real
         return real(*args)
 
     sender.get_and_update_item = gated
-    cancelled = asyncio.ensure_future(engine.generate(token_ids, images, Sampling(max_tokens=2)))
+    request = asyncio.ensure_future(engine.generate(token_ids, images, Sampling(max_tokens=2)))
     deadline = time.monotonic() + 30
     while not passing.is_set():
         assert time.monotonic() < deadline, "the items never reached the sender cache"
         await asyncio.sleep(0.01)
-    cancelled.cancel()  # while P0 takes the item
-    release.set()
+    request.cancel()  # while P0 takes the item
+    return CancelledInSenderCache(client, engine, token_ids, images, request, release)
+
+
+async def test_a_request_cancelled_while_its_items_pass_the_sender_cache_still_reaches_the_engine_core(
+    tiny_qwen2_vl: Path, tmp_path: Path
+) -> None:
+    """The sender cache (P0) takes the items of a request cancelled midway as sent: the engine core's receiver
+    cache (P1) must take them too, or the next request's hashes miss there."""
+    from rawmm import metrics
+
+    staged = await cancelled_in_sender_cache(tiny_qwen2_vl, tmp_path)
+    client = staged.client
+    staged.release.set()
     with pytest.raises(asyncio.CancelledError):
-        await cancelled
-    sender.get_and_update_item = real
+        await staged.request
     assert [name for name, _ in client.calls] == ["add_request", "abort"]  # sent, then aborted
     resends = metrics.ENGINE_CORE_RESENDS._value.get()
-    generation = await engine.generate(token_ids, images, Sampling(max_tokens=2))
+    generation = await staged.engine.generate(staged.token_ids, staged.images, Sampling(max_tokens=2))
     assert generation.finish_reason == "stop"
     assert client.received == [[True], [False]]  # the next request's hash alone found the item in P1
     assert metrics.ENGINE_CORE_RESENDS._value.get() == resends
@@ -318,40 +336,18 @@ async def test_a_request_cancelled_while_its_items_pass_the_sender_cache_still_r
 async def test_a_second_cancel_does_not_skip_the_hand_over(tiny_qwen2_vl: Path, tmp_path: Path) -> None:
     """A request cancelled again while its hand-over waits for the sender cache (a shutdown cancelling
     the handler) still reaches the engine core, and is aborted there."""
-    import asyncio
-    import threading
-    import time
-
-    client = CachingClient(tiny_qwen2_vl, cache_gb=0.01)
-    engine = engine_for(client, tiny_qwen2_vl)
-    token_ids, images = await one_image(engine, tmp_path)
-    sender = client.renderer.mm_processor_cache
-    passing, release = threading.Event(), threading.Event()
-    real = sender.get_and_update_item
-
-    def gated(*args: Any) -> Any:
-        passing.set()
-        assert release.wait(timeout=30)
-        return real(*args)
-
-    sender.get_and_update_item = gated
-    cancelled = asyncio.ensure_future(engine.generate(token_ids, images, Sampling(max_tokens=2)))
-    deadline = time.monotonic() + 30
-    while not passing.is_set():
-        assert time.monotonic() < deadline, "the items never reached the sender cache"
-        await asyncio.sleep(0.01)
-    cancelled.cancel()
+    staged = await cancelled_in_sender_cache(tiny_qwen2_vl, tmp_path)
     for _ in range(5):
         await asyncio.sleep(0)  # the hand-over now waits for the sender cache
-    cancelled.cancel()
+    staged.request.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await cancelled
-    release.set()
-    while [name for name, _ in client.calls] != ["add_request", "abort"]:
-        assert time.monotonic() < deadline, client.calls
+        await staged.request
+    staged.release.set()
+    deadline = time.monotonic() + 30
+    while [name for name, _ in staged.client.calls] != ["add_request", "abort"]:
+        assert time.monotonic() < deadline, staged.client.calls
         await asyncio.sleep(0.01)
-    sender.get_and_update_item = real
-    client.renderer._mm_executor.shutdown()
+    staged.client.renderer._mm_executor.shutdown()
 
 
 def test_vllms_multimodal_cache_defaults_to_the_materialize_budget(tiny_qwen2_vl: Path) -> None:
