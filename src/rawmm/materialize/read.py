@@ -9,7 +9,6 @@ outside the volume nor make us decode a bomb.
 from __future__ import annotations
 
 import struct
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeAlias, cast
@@ -17,12 +16,12 @@ from typing import TypeAlias, cast
 import cv2
 import numpy as np
 import numpy.typing as npt
-from PIL import Image, ImageFile, UnidentifiedImageError
+from PIL import Image, ImageFile
 
 from rawmm.contract import InvalidImageRef, RawImageDescriptor, RawImageRef, resolve_uri
 from rawmm.contract.refs import check_mm_hash
 from rawmm.contract.store import read_verified
-from rawmm.materialize.decode import DEFAULT_MAX_IMAGE_PIXELS, displayed_rgb, open_image
+from rawmm.materialize.decode import DEFAULT_MAX_IMAGE_PIXELS, decoding, displayed_rgb, open_image
 
 # Any PNG decoder gives the file's own pixels for plain PNGs; OpenCV's releases the GIL and hands back an
 # array, where PIL holds the GIL to copy its pixels out (~1 ms a screenshot, all of a miss that two worker
@@ -99,18 +98,9 @@ def header_pixels(ref: RawImageRef | RawImageDescriptor, roots: Sequence[Path]) 
     when it cannot be read, which the full read then reports with its reason."""
     try:
         path = resolve_uri(ref.raw_image_uri, roots)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as image:
-                width, height = image.size
-    except (
-        InvalidImageRef,
-        Image.DecompressionBombError,
-        UnidentifiedImageError,
-        OSError,
-        ValueError,
-        SyntaxError,
-    ):
+        with decoding(ref.raw_image_uri), Image.open(path) as image:
+            width, height = image.size
+    except InvalidImageRef:
         return None
     return width * height
 
