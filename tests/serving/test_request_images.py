@@ -19,7 +19,8 @@ from rawmm.contract import (
     parse_ref,
 )
 from rawmm.materialize import MaterializeCache, load_processor
-from rawmm.materialize.read import header_pixels
+from rawmm.materialize.adapters import FamilyAdapter
+from rawmm.materialize.read import OpenedImage
 from rawmm.serving import images as images_module
 from rawmm.serving.images import PixelBudget, RequestImages
 
@@ -139,25 +140,31 @@ def test_the_pixel_budget_holds_back_what_would_exceed_it() -> None:
 async def test_concurrent_images_never_exceed_the_pixels_in_flight(
     tiny_qwen2_vl: Path, offload_store: OffloadStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """From decoding to the item, an image's pixels stay within the budget (the file is read first: its
+    header gives the count)."""
     loaded = load_processor(tiny_qwen2_vl)
     images = feature_images(offload_store, loaded, 6)
-    pixels = {image.ref.mm_hash: header_pixels(image.ref, [offload_store.root]) for image in images}
-    capacity = sum(sorted(pixels.values())[-2:])  # room for any two of them, never three
+    sizes = [Image.open(offload_store.resolve(image.ref.raw_image_uri)).size for image in images]
+    capacity = sum(sorted(width * height for width, height in sizes)[-2:])  # any two of them, never three
     lock, active, peaks = threading.Lock(), [0], []
-    real = images_module.materialize_engine_item
+    real_decode, real_process = OpenedImage.decode, FamilyAdapter.materialize_for_engine
 
-    def measured(ref, **kwargs):
+    def decode(opened: OpenedImage):
         with lock:
-            active[0] += pixels[ref.mm_hash]
+            active[0] += opened.pixels
             peaks.append(active[0])
+        threading.Event().wait(0.05)  # long enough for unadmitted work to overlap (not for correctness)
+        return real_decode(opened)
+
+    def process(adapter, image, *args):
         try:
-            threading.Event().wait(0.05)  # long enough for unadmitted work to overlap (not for correctness)
-            return real(ref, **kwargs)
+            return real_process(adapter, image, *args)
         finally:
             with lock:
-                active[0] -= pixels[ref.mm_hash]
+                active[0] -= image.shape[0] * image.shape[1]
 
-    monkeypatch.setattr(images_module, "materialize_engine_item", measured)
+    monkeypatch.setattr(OpenedImage, "decode", decode)
+    monkeypatch.setattr(FamilyAdapter, "materialize_for_engine", process)
     request_images = RequestImages(
         loaded,
         roots=[offload_store.root],

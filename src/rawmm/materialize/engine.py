@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import Any
 
 from rawmm import metrics
 from rawmm.contract import RawImageRef
 from rawmm.materialize.adapters import get_adapter
 from rawmm.materialize.items import EngineItem
 from rawmm.materialize.processor import LoadedProcessor
-from rawmm.materialize.read import read_ref_image
+from rawmm.materialize.read import open_ref_image
 
 
 def materialize_engine_item(
@@ -21,18 +23,22 @@ def materialize_engine_item(
     processor: LoadedProcessor,
     roots: Sequence[Path],
     max_pixels: int,
+    admit: Callable[[int], AbstractContextManager[Any]] = nullcontext,
 ) -> EngineItem:
     """Materialize one parsed ref for the engine (blocking: run it in a worker thread).
 
     The cheap checks (family, modality, fingerprint) come before any file access; the outer hash was
-    checked against the ref when the request features were parsed.
+    checked against the ref when the request features were parsed. ``admit`` gets the image's pixel count
+    from its header, once the file is read and verified; decoding and processing run inside the context it
+    returns (a ``PixelBudget``'s admission).
     """
     started = time.perf_counter()
     adapter = get_adapter(ref.family)
     descriptor = ref.descriptor()
     adapter.check_descriptor(descriptor, processor)
-    image = read_ref_image(ref, mm_hash=ref.mm_hash, roots=roots, max_pixels=max_pixels)
-    item = adapter.materialize_for_engine(image, descriptor, processor, placeholder_length)
+    opened = open_ref_image(ref, mm_hash=ref.mm_hash, roots=roots, max_pixels=max_pixels)
+    with admit(opened.pixels):
+        item = adapter.materialize_for_engine(opened.decode(), descriptor, processor, placeholder_length)
     metrics.MATERIALIZE_SECONDS.labels(side="engine").observe(time.perf_counter() - started)
     metrics.IMAGES_MATERIALIZED.labels(side="engine").inc()
     return item

@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeAlias, cast
 
 import cv2
 import numpy as np
 import numpy.typing as npt
-from PIL import Image, ImageFile
+from PIL import ImageFile
 
-from rawmm.contract import InvalidImageRef, RawImageDescriptor, RawImageRef, resolve_uri
+from rawmm.contract import InvalidImageRef, RawImageDescriptor, RawImageRef
 from rawmm.contract.refs import check_mm_hash
 from rawmm.contract.store import read_verified
-from rawmm.materialize.decode import DEFAULT_MAX_IMAGE_PIXELS, decoding, displayed_rgb, open_image
+from rawmm.materialize.decode import DEFAULT_MAX_IMAGE_PIXELS, displayed_rgb, open_image
 
 # Any PNG decoder gives the file's own pixels for plain PNGs; OpenCV's releases the GIL and hands back an
 # array, where PIL holds the GIL to copy its pixels out (~1 ms a screenshot, all of a miss that two worker
@@ -83,36 +84,46 @@ def opencv_pixels(data: bytes, opened: ImageFile.ImageFile) -> RgbPixels | None:
     return cast(RgbPixels, pixels)
 
 
+@dataclass(frozen=True)
+class OpenedImage:
+    """An image file's verified bytes and its header, its size within the pixel limit; nothing decoded yet."""
+
+    data: bytes
+    header: ImageFile.ImageFile
+    source: str
+
+    @property
+    def pixels(self) -> int:
+        """Width x height, from the header: what decoding it will hold."""
+        width, height = self.header.size
+        return width * height
+
+    def decode(self) -> RgbPixels:
+        """The displayed RGB pixels, exactly PIL's (hence vLLM's own loader's). A plain PNG (screenshots)
+        decodes with OpenCV, off the GIL; anything else, or a PNG OpenCV cannot show as PIL would, goes
+        through PIL, which has the last word."""
+        if (
+            plain_png(self.header, self.data)
+            and (pixels := opencv_pixels(self.data, self.header)) is not None
+        ):
+            return pixels
+        return np.array(displayed_rgb(self.header, source=self.source))
+
+
 def decode_pixels(data: bytes, *, max_pixels: int, source: str) -> RgbPixels:
-    """Encoded bytes as displayed RGB pixels, exactly PIL's (hence vLLM's own loader's), refusing images over
-    ``max_pixels`` before decoding. A plain PNG (screenshots) decodes with OpenCV, off the GIL; anything
-    else, or a PNG OpenCV cannot show as PIL would, goes through PIL, which has the last word."""
-    opened = open_image(data, max_pixels=max_pixels, source=source)
-    if plain_png(opened, data) and (pixels := opencv_pixels(data, opened)) is not None:
-        return pixels
-    return np.array(displayed_rgb(opened, source=source))
+    """Encoded bytes as displayed RGB pixels, refusing images over ``max_pixels`` before decoding."""
+    return OpenedImage(data, open_image(data, max_pixels=max_pixels, source=source), source).decode()
 
 
-def header_pixels(ref: RawImageRef | RawImageDescriptor, roots: Sequence[Path]) -> int | None:
-    """Width x height from the image file's header (confined like a read, no hash check, no decode); None
-    when it cannot be read, which the full read then reports with its reason."""
-    try:
-        path = resolve_uri(ref.raw_image_uri, roots)
-        with decoding(ref.raw_image_uri), Image.open(path) as image:
-            width, height = image.size
-    except InvalidImageRef:
-        return None
-    return width * height
-
-
-def read_ref_image(
+def open_ref_image(
     ref_or_descriptor: RawImageRef | RawImageDescriptor,
     *,
     mm_hash: str,
     roots: Sequence[Path],
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-) -> RgbPixels:
-    """The pixels of the image a ref (or descriptor) points to, read only inside ``roots`` and verified against ``mm_hash``.
+) -> OpenedImage:
+    """The image a ref (or descriptor) points to, read only inside ``roots``, verified against ``mm_hash``
+    and its header checked, ready to decode: a caller can admit its pixels before they exist.
 
     Raises ``InvalidImageRef`` with reason ``malformed_ref`` (``mm_hash`` is not a hash), ``hash_mismatch`` (the ref's own hash differs from ``mm_hash``,
     or the bytes do not hash to it), ``outside_offload_root``, ``missing_file``, ``unreadable_file``,
@@ -125,4 +136,15 @@ def read_ref_image(
         )
     uri = ref_or_descriptor.raw_image_uri
     data = read_verified(uri, mm_hash, [Path(root).resolve() for root in roots])
-    return decode_pixels(data, max_pixels=max_pixels, source=uri)
+    return OpenedImage(data, open_image(data, max_pixels=max_pixels, source=uri), uri)
+
+
+def read_ref_image(
+    ref_or_descriptor: RawImageRef | RawImageDescriptor,
+    *,
+    mm_hash: str,
+    roots: Sequence[Path],
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+) -> RgbPixels:
+    """The pixels of the image a ref (or descriptor) points to: ``open_ref_image``, decoded (same errors)."""
+    return open_ref_image(ref_or_descriptor, mm_hash=mm_hash, roots=roots, max_pixels=max_pixels).decode()

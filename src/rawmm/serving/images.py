@@ -3,7 +3,7 @@
 Memory: decoding and processing an image costs about 20 bytes per decoded pixel at its peak (measured: an
 8192x8192 PNG, within the default 64 Mi-pixel limit, +1.2 GiB peak RSS, 4.5 s to decode and 28 s through the
 Qwen2-VL processor on a busy 2-core machine), so unbounded concurrency would let N such images cost N times that. A ``PixelBudget`` admits materializations by their decoded
-pixels (read from the image header before any decode): at most ``capacity`` pixels are in flight across
+pixels (read from the header of the verified file, before any decode): at most ``capacity`` pixels are in flight across
 all requests, and an image larger than the whole budget runs alone.
 
 A request holds its items through a cache lease (``RequestImages.hold``) until its response: they stay in
@@ -32,7 +32,6 @@ from rawmm.materialize import (
     get_adapter,
     materialize_engine_item,
 )
-from rawmm.materialize.read import header_pixels
 from rawmm.serving.engine import ImageInput
 
 
@@ -167,15 +166,14 @@ class RequestImages:
         return min(cap, math.ceil(min(self._patches(image), cap) * self._bytes_per_patch))
 
     def _materialize(self, image: FeatureImage) -> EngineItem:
-        # A header that cannot be read admits nothing: materialization then fails with the right reason.
-        with self.budget.admit(header_pixels(image.ref, self.roots) or 0):
-            item = materialize_engine_item(
-                image.ref,
-                placeholder_length=image.length,
-                processor=self.processor,
-                roots=self.roots,
-                max_pixels=self.max_pixels,
-            )
+        item = materialize_engine_item(
+            image.ref,
+            placeholder_length=image.length,
+            processor=self.processor,
+            roots=self.roots,
+            max_pixels=self.max_pixels,
+            admit=self.budget.admit,
+        )
         if self._bytes_per_patch is None and (patches := self._patches(image)):
             self._bytes_per_patch = item.nbytes / patches
         return item
