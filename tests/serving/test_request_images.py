@@ -21,6 +21,7 @@ from rawmm.contract import (
 from rawmm.materialize import MaterializeCache, load_processor
 from rawmm.materialize.adapters import FamilyAdapter
 from rawmm.materialize.read import OpenedImage
+from rawmm.materialize.workers import usable_cpus
 from rawmm.serving import images as images_module
 from rawmm.serving.images import PixelBudget, RequestImages
 
@@ -45,13 +46,23 @@ def feature_images(store: OffloadStore, loaded, count: int) -> list[FeatureImage
 async def test_the_images_of_one_request_materialize_concurrently(
     tiny_qwen2_vl: Path, offload_store: OffloadStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    count = 6
-    all_running = threading.Barrier(count, timeout=WAIT)  # breaks unless all six run at once
+    """As many at once as there are miss threads (one per usable CPU), the rest as threads free up."""
+    threads, count = usable_cpus(), usable_cpus() + 2
+    lock, running, peak, all_busy = threading.Lock(), [0], [0], threading.Event()
     real = images_module.materialize_engine_item
 
     def gated(*args, **kwargs):
-        all_running.wait()
-        return real(*args, **kwargs)
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            if running[0] == threads:
+                all_busy.set()
+        try:
+            assert all_busy.wait(WAIT)  # fails unless every miss thread runs one at once
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                running[0] -= 1
 
     monkeypatch.setattr(images_module, "materialize_engine_item", gated)
     loaded = load_processor(tiny_qwen2_vl)
@@ -60,7 +71,7 @@ async def test_the_images_of_one_request_materialize_concurrently(
     )
     images = feature_images(offload_store, loaded, count)
     inputs = await request_images.materialize(images)
-    assert [i.feature for i in inputs] == images
+    assert [i.feature for i in inputs] == images and peak[0] == threads
     assert [i.item.tensors["image_grid_thw"].tolist() for i in inputs] == [
         image.ref.payload["image_grid_thw"][0] for image in images
     ]

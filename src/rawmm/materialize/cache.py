@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from rawmm import metrics
+from rawmm.materialize.workers import materialize_workers
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,11 @@ def release_freed_memory_soon() -> None:
     threading.Thread(target=release_freed_memory, name="rawmm-release-memory", daemon=True).start()
 
 
+async def _run_on_worker(work: Callable[[], T]) -> T:
+    """``work`` on one of the process's miss threads (``materialize_workers``: one per usable CPU)."""
+    return await asyncio.get_running_loop().run_in_executor(materialize_workers(), work)
+
+
 def cache_key(ref: str, *, engine_modality: str, placeholder_length: int, processor_identity: str) -> str:
     """Digest of everything that decides what a materialization produces.
 
@@ -108,8 +114,9 @@ class CacheStats:
 class MaterializeCache(Generic[T]):
     """Byte-bounded LRU of finished, immutable items with single-flight misses.
 
-    ``max_bytes == 0`` turns the cache off: every call runs the work in a worker thread, with no lookup,
-    no single-flight and no statistics. Unleased, bytes held never exceed ``max_bytes`` and an item larger
+    Misses run on the process's miss threads (``workers.materialize_workers``). ``max_bytes == 0`` turns
+    the cache off: every call runs the work on one of them, with no lookup, no single-flight and no
+    statistics. Unleased, bytes held never exceed ``max_bytes`` and an item larger
     than the whole budget is returned to its requesters but not kept; leased items are kept regardless
     (see ``lease``). Use from the event loop only.
     """
@@ -162,7 +169,7 @@ class MaterializeCache(Generic[T]):
     async def get(self, key: str, work: Callable[[], T]) -> T:
         """Return the item for ``key``, running ``work`` in a worker thread at most once at a time per key."""
         if not self.enabled:
-            return await asyncio.to_thread(work)
+            return await _run_on_worker(work)
         cached = self._items.get(key)
         if cached is not None:
             self._items.move_to_end(key)
@@ -186,7 +193,7 @@ class MaterializeCache(Generic[T]):
 
     async def _fill(self, key: str, work: Callable[[], T]) -> T:
         try:
-            item = await asyncio.to_thread(work)
+            item = await _run_on_worker(work)
             self._store(key, item)
             return item
         finally:
