@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torchvision.transforms.v2 import InterpolationMode
+from torchvision.transforms.v2 import functional as tvf
+from transformers.image_utils import PILImageResampling
 
 from rawmm.contract import OffloadStore, resolve_preset
 from rawmm.materialize import get_adapter, load_processor, materialize_engine_item, qwen_image_processor
-from rawmm.materialize.qwen_uint8 import patchify, uint8_patches
+from rawmm.materialize.qwen_uint8 import patchify, resize_bicubic, uint8_patches
 
 
 def noise_image(width: int, height: int, seed: int = 0) -> Image.Image:
@@ -72,6 +75,25 @@ def test_temporal_patch_size_one_and_other_merge_sizes() -> None:
         )
         image = noise_image(211, 143, seed=temporal)
         assert_identical(uint8_patches(processor, rows([image])), hf_uint8(processor, [image]))
+
+
+def test_a_processor_resampling_otherwise_than_bicubic_keeps_transformers_resize() -> None:
+    # The direct kernel call is bicubic's only: a bilinear checkpoint goes through transformers' resize.
+    _, config = resolve_preset("qwen2_vl")
+    processor = qwen_image_processor(config, "torchvision")
+    processor.resample = PILImageResampling.BILINEAR
+    image = noise_image(1280, 720)
+    assert_identical(uint8_patches(processor, rows([image])), hf_uint8(processor, [image]))
+
+
+@pytest.mark.parametrize("layout", ["channels last", "contiguous"])
+@pytest.mark.parametrize("size", [(364, 644), (720, 1280), (1092, 1932)])  # down, unchanged, up
+def test_the_bicubic_resize_is_torchvisions_on_any_strides(layout: str, size: tuple[int, int]) -> None:
+    hwc = torch.from_numpy(np.random.default_rng(1).integers(0, 256, (720, 1280, 3), dtype=np.uint8))
+    chw = hwc.permute(2, 0, 1) if layout == "channels last" else hwc.permute(2, 0, 1).contiguous()
+    want = tvf.resize_image(chw, list(size), interpolation=InterpolationMode.BICUBIC, antialias=True)
+    got = resize_bicubic(chw, *size)
+    assert torch.equal(got, want) and got.stride() == want.stride()
 
 
 def test_patchify_reads_any_strides() -> None:
