@@ -239,6 +239,19 @@ def test_bytes_that_do_not_hash_to_the_ref_are_rejected(offload_store: OffloadSt
     assert reason_of(excinfo) == "hash_mismatch"
 
 
+def test_a_root_given_through_a_symlink_confines_to_nothing(
+    offload_store: OffloadStore, tmp_path: Path
+) -> None:
+    # Roots are resolved once by their owner (the engine's RequestImages, the trainer's materializer); an
+    # unresolved one is refused, never followed.
+    stored = offload_store.put(Image.new("RGB", (4, 4), "red"))
+    link = tmp_path / "offload-link"
+    link.symlink_to(offload_store.root, target_is_directory=True)
+    with pytest.raises(InvalidImageRef) as excinfo:
+        read_ref_image(descriptor(stored.uri), mm_hash=stored.mm_hash, roots=[link])
+    assert reason_of(excinfo) == "outside_offload_root"
+
+
 def test_a_malformed_hash_is_a_malformed_ref(offload_store: OffloadStore) -> None:
     stored = offload_store.put(Image.new("RGB", (4, 4), "red"))
     with pytest.raises(InvalidImageRef) as excinfo:

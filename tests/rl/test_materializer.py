@@ -299,3 +299,13 @@ def test_family_mismatch_is_rejected(make):
     )
     with pytest.raises(ValueError, match="family 'kimi_k25'"):
         make.materializer().materialize(concat_samples([kimi]))
+
+
+def test_an_offload_root_given_through_a_symlink_is_read(make, tmp_path):
+    # The trainer resolves its roots once; the read confines to resolved roots only.
+    link = tmp_path / "offload-link"
+    link.symlink_to(make.store.root, target_is_directory=True)
+    image = random_image(60, 40, 0)
+    through_link = RawImageMaterializer(make.loaded, roots=[link], missing_image_policy="error")
+    got = through_link.materialize(concat_samples([make([image], "s")]))
+    assert torch.equal(make.model_inputs(got)["pixel_values"], make.reference_inputs([image])["pixel_values"])

@@ -122,8 +122,9 @@ def open_ref_image(
     roots: Sequence[Path],
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> OpenedImage:
-    """The image a ref (or descriptor) points to, read only inside ``roots``, verified against ``mm_hash``
-    and its header checked, ready to decode: a caller can admit its pixels before they exist.
+    """The image a ref (or descriptor) points to, read only inside ``roots`` (resolved directories: a root
+    given through a symlink confines to nothing), verified against ``mm_hash`` and its header checked, ready
+    to decode: a caller can admit its pixels before they exist.
 
     Raises ``InvalidImageRef`` with reason ``malformed_ref`` (``mm_hash`` is not a hash), ``hash_mismatch`` (the ref's own hash differs from ``mm_hash``,
     or the bytes do not hash to it), ``outside_offload_root``, ``missing_file``, ``unreadable_file``,
@@ -135,7 +136,7 @@ def open_ref_image(
             "hash_mismatch", f"outer mm_hash {mm_hash} differs from the ref's {ref_or_descriptor.mm_hash}"
         )
     uri = ref_or_descriptor.raw_image_uri
-    data = read_verified(uri, mm_hash, [Path(root).resolve() for root in roots])
+    data = read_verified(uri, mm_hash, roots)
     return OpenedImage(data, open_image(data, max_pixels=max_pixels, source=uri), uri)
 
 

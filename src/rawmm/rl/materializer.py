@@ -115,7 +115,7 @@ class RawImageMaterializer:
             )
         self.processor = processor
         self.adapter = get_adapter(processor.family.name)
-        self.roots = [Path(r) for r in roots]
+        self.roots = [Path(root).resolve() for root in roots]
         self.max_pixels = max_pixels
         self.policy = missing_image_policy
         self.dedupe = dedupe
