@@ -15,7 +15,7 @@ from PIL import Image
 
 from rawmm.contract import InvalidImageRef, OffloadStore, RawImageDescriptor, encode_ref, parse_ref
 from rawmm.materialize import read as read_module
-from rawmm.materialize.read import decode_pixels, opencv_pixels, plain_png, read_ref_image
+from rawmm.materialize.read import decode_pixels, open_ref_image, opencv_pixels, plain_png, read_ref_image
 
 
 def descriptor(uri: str) -> RawImageDescriptor:
@@ -152,6 +152,13 @@ PNGS_FOR_PIL = {
     "animated png": animated_png,
 }
 
+# Allowed formats other than PNG and JPEG: PIL decodes them, as vLLM's loader does.
+OTHER_FORMATS = {
+    "bmp": lambda: encoded(Image.fromarray(noise(7, 5, 10)), "BMP"),
+    "tiff": lambda: encoded(Image.fromarray(noise(7, 5, 11)), "TIFF"),
+    "lossy webp": lambda: encoded(Image.fromarray(noise(16, 9, 12)), "WEBP", quality=80),
+}
+
 
 # The cases whose orientation turns the 7x5 image a quarter: stored, hence laid out, as 5x7.
 QUARTER_TURNED = {
@@ -172,7 +179,7 @@ def vllm_case(name: str) -> bytes:
         return transparent_images()[name]
     if name.startswith("exif orientation"):
         return rotated_jpeg(int(name[-1]))
-    return {**PLAIN_PNGS, **PNGS_FOR_PIL}[name]()
+    return {**PLAIN_PNGS, **PNGS_FOR_PIL, **OTHER_FORMATS}[name]()
 
 
 @pytest.mark.parametrize(
@@ -184,6 +191,7 @@ def vllm_case(name: str) -> bytes:
         "exif orientation 8",
         *PLAIN_PNGS,
         *PNGS_FOR_PIL,
+        *OTHER_FORMATS,
     ],
 )
 def test_the_read_image_is_what_vllms_own_loader_makes_of_the_bytes(
@@ -295,6 +303,29 @@ def test_bytes_that_are_not_an_image_are_a_decode_error(offload_store: OffloadSt
             roots=[offload_store.root],
         )
     assert reason_of(excinfo) == "decode_error"
+
+
+def test_a_format_outside_vllms_allow_list_is_refused_from_its_header(offload_store: OffloadStore) -> None:
+    """An EPS (whose decoding would run Ghostscript on its PostScript) is refused before any decoding, as
+    vLLM's own loader refuses it, with the format named."""
+    from vllm.multimodal.media.image import ImageMediaIO
+
+    data = encoded(Image.new("RGB", (4, 3), "red"), "EPS")
+    path = offload_store.root / "page.png"  # the store refuses it at ingest; a rogue writer may not
+    path.write_bytes(data)
+    ref = descriptor(f"file://{path}")
+    mm_hash = hashlib.sha256(data).hexdigest()[:32]
+    refusals = (
+        lambda: open_ref_image(ref, mm_hash=mm_hash, roots=[offload_store.root]),
+        lambda: read_ref_image(ref, mm_hash=mm_hash, roots=[offload_store.root]),
+        lambda: decode_pixels(data, max_pixels=10**6, source="page.png"),
+    )
+    for refuse in refusals:
+        with pytest.raises(InvalidImageRef, match="EPS is not an allowed image format") as excinfo:
+            refuse()
+        assert reason_of(excinfo) == "decode_error"
+    with pytest.raises(ValueError, match="cannot identify image file"):
+        ImageMediaIO().load_bytes(data)
 
 
 def test_a_truncated_image_is_a_decode_error(offload_store: OffloadStore) -> None:

@@ -29,6 +29,7 @@ from PIL import Image, UnidentifiedImageError
 
 from rawmm.contract.errors import ImageIngestError, InvalidImageRef
 from rawmm.contract.files import temp_target, write_atomically
+from rawmm.contract.formats import DeniedImageFormat, open_allowed
 from rawmm.contract.refs import check_mm_hash
 from rawmm.retention_bounds import REUSE_UNLOCKED_AGE_S
 
@@ -145,8 +146,10 @@ def displayed_size(image: Image.Image) -> tuple[int, int]:
 def _identify(data: bytes, source: str) -> tuple[str, int, int]:
     """(extension, width, height as displayed) of encoded image bytes, reading only the header."""
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        with open_allowed(data) as image:
             return _EXT_BY_FORMAT.get(image.format or "", "img"), *displayed_size(image)
+    except DeniedImageFormat as exc:
+        raise ImageIngestError(f"{source} is not a readable image: {exc}") from None
     except UnidentifiedImageError:
         raise ImageIngestError(f"{source} is not a readable image: unknown image format") from None
     except (Image.DecompressionBombError, OSError, ValueError) as exc:
@@ -320,7 +323,7 @@ class OffloadStore:
             # Collected since it was resolved, or another user's file: write it anew from its bytes.
             return self._put_file(path)
         try:
-            with Image.open(path) as image:
+            with open_allowed(path) as image:
                 width, height = displayed_size(image)
         except (UnidentifiedImageError, Image.DecompressionBombError, OSError) as exc:
             raise ImageIngestError(f"stored file {path} is not a readable image: {exc}") from None

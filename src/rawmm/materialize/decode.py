@@ -6,7 +6,6 @@ The size comes from the header and is checked before any pixel is decoded, so a 
 
 from __future__ import annotations
 
-import io
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +13,7 @@ from contextlib import contextmanager
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 from rawmm.contract import InvalidImageRef
+from rawmm.contract.formats import open_allowed
 
 # A 4K screenshot is ~8.3M pixels; anything past this is a bomb, not a picture worth decoding.
 DEFAULT_MAX_IMAGE_PIXELS = 64 * 1024 * 1024
@@ -37,9 +37,10 @@ def decoding(source: str) -> Iterator[None]:
 
 
 def open_image(data: bytes, *, max_pixels: int, source: str) -> ImageFile.ImageFile:
-    """The image's header, refused when it has more than ``max_pixels`` pixels (no pixel decoded yet)."""
+    """The image's header, refused when its format is not one vLLM opens (``ALLOWED_IMAGE_FORMATS``) or it has
+    more than ``max_pixels`` pixels (no pixel decoded yet)."""
     with decoding(source):
-        opened = Image.open(io.BytesIO(data))
+        opened = open_allowed(data)
     width, height = opened.size
     if width * height > max_pixels:
         raise InvalidImageRef(
