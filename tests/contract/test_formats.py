@@ -71,6 +71,26 @@ def test_bytes_no_plugin_knows_are_unidentified_not_denied() -> None:
     assert not isinstance(excinfo.value, DeniedImageFormat)
 
 
+def test_a_pillow_without_a_listed_reader_still_opens_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pillow before 11.2 has no AVIF reader; Image.open would raise KeyError on the list as it stands.
+    Image.init()
+    monkeypatch.delitem(Image.OPEN, "AVIF")
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 3), "red").save(buffer, format="PNG")
+    with open_allowed(buffer.getvalue()) as image:
+        assert image.format == "PNG"
+
+
+def test_a_plugin_check_that_explains_itself_is_not_a_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    # PIL reads a string from a plugin's check as "not this format" (a warning), and so do we.
+    Image.init()
+    factory, _ = Image.OPEN["EPS"]
+    monkeypatch.setitem(Image.OPEN, "EPS", (factory, lambda prefix: "looks like EPS, is not"))
+    with pytest.raises(UnidentifiedImageError) as excinfo:
+        open_allowed(eps_bytes())
+    assert not isinstance(excinfo.value, DeniedImageFormat)
+
+
 @pytest.mark.parametrize("fmt", ["PNG", "BMP", "TIFF", "WEBP"])
 def test_allowed_formats_open(fmt: str, tmp_path: Path) -> None:
     buffer = io.BytesIO()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -67,3 +69,23 @@ async def test_misses_run_on_the_miss_threads_at_most_one_per_usable_cpu(max_byt
     await asyncio.gather(*misses)
     assert peak[0] == threads
     assert all(name.startswith("rawmm-materialize") for name in names), names
+
+
+FORK_PROBE = """
+import os
+from rawmm.materialize.workers import materialize_workers
+assert materialize_workers().submit(os.getpid).result(5)  # the parent's pool has a thread now
+child = os.fork()
+if child == 0:
+    try:
+        os._exit(0 if materialize_workers().submit(os.getpid).result(5) == os.getpid() else 1)
+    except Exception:
+        os._exit(2)
+_, status = os.waitpid(child, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_runs_misses_on_threads_of_its_own() -> None:
+    out = subprocess.run([sys.executable, "-c", FORK_PROBE], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "0", (out.stdout, out.stderr)

@@ -70,11 +70,19 @@ def denied_format(prefix: bytes) -> str | None:
         if name in ALLOWED_IMAGE_FORMATS or accept is None:
             continue
         try:
-            if accept(prefix):
-                return name
-        except (IndexError, struct.error):  # a prefix too short for the plugin's check is not its format
+            result = accept(prefix)
+        except (SyntaxError, IndexError, TypeError, struct.error):  # as PIL's own open: not this format
             continue
+        if result and not isinstance(result, str):  # PIL reads a string as "not this format, because …"
+            return name
     return None
+
+
+def registered_allowed_formats() -> tuple[str, ...]:
+    """The allowed formats this Pillow has readers for: ``Image.open`` fails with a ``KeyError`` on a listed
+    format it lacks (AVIF came with Pillow 11.2)."""
+    Image.init()
+    return tuple(name for name in ALLOWED_IMAGE_FORMATS if name in Image.OPEN)
 
 
 def open_allowed(source: bytes | Path) -> ImageFile.ImageFile:
@@ -83,7 +91,7 @@ def open_allowed(source: bytes | Path) -> ImageFile.ImageFile:
     raises ``UnidentifiedImageError`` as ever."""
     try:
         return Image.open(
-            io.BytesIO(source) if isinstance(source, bytes) else source, formats=ALLOWED_IMAGE_FORMATS
+            io.BytesIO(source) if isinstance(source, bytes) else source, formats=registered_allowed_formats()
         )
     except UnidentifiedImageError:
         if isinstance(source, bytes):

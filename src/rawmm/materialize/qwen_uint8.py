@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torchvision.transforms.v2 import InterpolationMode
 
 from rawmm.materialize.read import RgbPixels
 
@@ -41,6 +40,7 @@ def resize_bicubic(pixels: torch.Tensor, height: int, width: int) -> torch.Tenso
 def resize(processor: Any, pixels: torch.Tensor) -> torch.Tensor:
     """The processor's own resize of a ``(C, H, W)`` uint8 image: ``smart_resize``'s size, then torchvision's
     resampling (its kernel called directly for bicubic)."""
+    from torchvision.transforms.v2 import InterpolationMode
     from transformers.image_utils import pil_torch_interpolation_mapping
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 

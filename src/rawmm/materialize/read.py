@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeAlias, cast
 
@@ -88,7 +88,7 @@ def opencv_pixels(data: bytes, opened: ImageFile.ImageFile) -> RgbPixels | None:
 class OpenedImage:
     """An image file's verified bytes and its header, its size within the pixel limit; nothing decoded yet."""
 
-    data: bytes
+    data: bytes = field(repr=False)  # up to the file limit: never in a log line
     header: ImageFile.ImageFile
     source: str
 

@@ -19,7 +19,9 @@ CGROUP_FS = Path("/sys/fs/cgroup")
 
 def cgroup_cpu_limit(cgroup_fs: Path = CGROUP_FS) -> float | None:
     """The CPUs this container's cgroup quota allows (cgroup v2 ``cpu.max``, else v1's CFS quota), or None
-    without a quota. In a container the cgroup filesystem shows the container's own group."""
+    without a quota. Read at the cgroup filesystem's root, which in a container with its own cgroup
+    namespace (Kubernetes' default on cgroup v2) is the container's group; elsewhere (a host process, a
+    quota on a parent group only) the affinity alone counts."""
     try:
         quota, period = (cgroup_fs / "cpu.max").read_text().split()
         return None if quota == "max" else int(quota) / int(period)
@@ -44,3 +46,8 @@ def usable_cpus(cgroup_fs: Path = CGROUP_FS) -> int:
 def materialize_workers() -> ThreadPoolExecutor:
     """The process's miss threads (created on first use, named ``rawmm-materialize``)."""
     return ThreadPoolExecutor(max_workers=usable_cpus(), thread_name_prefix="rawmm-materialize")
+
+
+# A forked child has none of the parent's threads: it makes a pool of its own (the inherited one would
+# queue work for threads that are not there).
+os.register_at_fork(after_in_child=materialize_workers.cache_clear)
