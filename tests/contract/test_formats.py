@@ -72,13 +72,14 @@ def test_bytes_no_plugin_knows_are_unidentified_not_denied() -> None:
 
 
 def test_a_pillow_without_a_listed_reader_still_opens_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Pillow before 11.2 has no AVIF reader; Image.open would raise KeyError on the list as it stands.
+    # Pillow before 11.2 has no AVIF reader; Image.open would raise KeyError on reaching it in the list
+    # (a TIFF is tried after AVIF).
     Image.init()
     monkeypatch.delitem(Image.OPEN, "AVIF")
     buffer = io.BytesIO()
-    Image.new("RGB", (4, 3), "red").save(buffer, format="PNG")
+    Image.new("RGB", (4, 3), "red").save(buffer, format="TIFF")
     with open_allowed(buffer.getvalue()) as image:
-        assert image.format == "PNG"
+        assert image.format == "TIFF"
 
 
 def test_a_plugin_check_that_explains_itself_is_not_a_match(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -117,3 +118,15 @@ def test_ingest_refuses_a_denied_format_under_a_stored_name(offload_store: Offlo
     path.write_bytes(data)
     with pytest.raises(ImageIngestError, match=f"stored file {path} is not a readable image: EPS is not"):
         offload_store.put(f"file://{path}")
+
+
+def test_a_png_is_opened_without_trying_other_plugins_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    # PIL tries a format list in the order given; IMT has no byte check, so trying it parses the header.
+    Image.init()
+    tried: list[str] = []
+    factory, accept = Image.OPEN["IMT"]
+    monkeypatch.setitem(Image.OPEN, "IMT", (lambda *args: tried.append("IMT") or factory(*args), accept))
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 3), "red").save(buffer, format="PNG")
+    with open_allowed(buffer.getvalue()) as image:
+        assert image.format == "PNG" and tried == []

@@ -79,10 +79,13 @@ def denied_format(prefix: bytes) -> str | None:
 
 
 def registered_allowed_formats() -> tuple[str, ...]:
-    """The allowed formats this Pillow has readers for: ``Image.open`` fails with a ``KeyError`` on a listed
-    format it lacks (AVIF came with Pillow 11.2)."""
+    """The allowed formats this Pillow has readers for, in PIL's own order (its registration order, which
+    ``Image.open`` tries without a list: PNG and JPEG first). ``Image.open`` fails with a ``KeyError`` on a
+    listed format it lacks (AVIF came with Pillow 11.2), and tries a list in the order given: in the
+    allow-list's alphabetical order a PNG waited for 24 other plugins (IMT, which has no byte check, even
+    parses the header), 65 instead of 27 us under the GIL a miss."""
     Image.init()
-    return tuple(name for name in ALLOWED_IMAGE_FORMATS if name in Image.OPEN)
+    return tuple(name for name in Image.ID if name in ALLOWED_IMAGE_FORMATS and name in Image.OPEN)
 
 
 def open_allowed(source: bytes | Path) -> ImageFile.ImageFile:
