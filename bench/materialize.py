@@ -56,7 +56,7 @@ from screens import screenshot_png
 from rawmm.contract import FeatureImage, OffloadStore, describe_stored_image, encode_ref, parse_ref
 from rawmm.materialize import LoadedProcessor, MaterializeCache, load_processor, materialize_engine_item
 from rawmm.materialize.cache import share_one_allocator_arena
-from rawmm.materialize.workers import materialize_workers
+from rawmm.materialize.workers import run_on_miss_thread
 from rawmm.serving.images import RequestImages
 
 
@@ -117,11 +117,6 @@ def engine_item_work(image: FeatureImage, loaded: LoadedProcessor, store: Offloa
     )
 
 
-async def on_a_miss_thread(work: Callable[[], Any]) -> None:
-    """``work`` where the cache runs misses: the engine's miss threads."""
-    await asyncio.get_running_loop().run_in_executor(materialize_workers(), work)
-
-
 def decoded(path: Path) -> Image.Image:
     return Image.open(io.BytesIO(path.read_bytes())).convert("RGB")
 
@@ -164,12 +159,12 @@ def bench_per_image(
         for name, work in misses.items():  # warm up (imports, allocator, worker thread)
             await cache.get(f"warm-up {name}", work)
         for side in sides.values():
-            await on_a_miss_thread(side)
+            await run_on_miss_thread(side)
         times: dict[str, list[Clock]] = {name: [] for name in [*sides, *misses]}
         for round_ in range(rounds):  # alternate sides so machine noise hits all of them
             for name, side in sides.items():
                 with clock() as took:
-                    await on_a_miss_thread(side)
+                    await run_on_miss_thread(side)
                 times[name].append(took)
             for name, work in misses.items():
                 with clock() as took:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from rawmm import metrics
-from rawmm.materialize.workers import materialize_workers
+from rawmm.materialize.workers import run_on_miss_thread
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +76,6 @@ def release_freed_memory_soon() -> None:
     """``release_freed_memory`` on a short-lived thread: on a large heap one trim takes tens of milliseconds
     (25 ms after freeing 256 MiB of a 2 GiB heap), which the event loop must not stall for."""
     threading.Thread(target=release_freed_memory, name="rawmm-release-memory", daemon=True).start()
-
-
-async def _run_on_worker(work: Callable[[], T]) -> T:
-    """``work`` on one of the process's miss threads (``materialize_workers``: one per usable CPU)."""
-    return await asyncio.get_running_loop().run_in_executor(materialize_workers(), work)
 
 
 def cache_key(ref: str, *, engine_modality: str, placeholder_length: int, processor_identity: str) -> str:
@@ -169,7 +164,7 @@ class MaterializeCache(Generic[T]):
     async def get(self, key: str, work: Callable[[], T]) -> T:
         """Return the item for ``key``, running ``work`` in a worker thread at most once at a time per key."""
         if not self.enabled:
-            return await _run_on_worker(work)
+            return await run_on_miss_thread(work)
         cached = self._items.get(key)
         if cached is not None:
             self._items.move_to_end(key)
@@ -193,7 +188,7 @@ class MaterializeCache(Generic[T]):
 
     async def _fill(self, key: str, work: Callable[[], T]) -> T:
         try:
-            item = await _run_on_worker(work)
+            item = await run_on_miss_thread(work)
             self._store(key, item)
             return item
         finally:

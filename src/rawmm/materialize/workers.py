@@ -8,12 +8,16 @@ misses at once under a quota of 8 (on 2 CPUs, its 6 threads cost an 8-image requ
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
+T = TypeVar("T")
 CGROUP_FS = Path("/sys/fs/cgroup")
 
 
@@ -46,6 +50,11 @@ def usable_cpus(cgroup_fs: Path = CGROUP_FS) -> int:
 def materialize_workers() -> ThreadPoolExecutor:
     """The process's miss threads (created on first use, named ``rawmm-materialize``)."""
     return ThreadPoolExecutor(max_workers=usable_cpus(), thread_name_prefix="rawmm-materialize")
+
+
+async def run_on_miss_thread(work: Callable[[], T]) -> T:
+    """``work`` on one of the process's miss threads, awaited from the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(materialize_workers(), work)
 
 
 # A forked child has none of the parent's threads: it makes a pool of its own (the inherited one would
