@@ -22,11 +22,16 @@ DENIED_PREFIXES = {
 }
 
 
+def red_4x3(fmt: str) -> bytes:
+    """A 4x3 red image as PIL writes ``fmt``."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 3), "red").save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
 def eps_bytes() -> bytes:
     """A real 4x3 EPS, as PIL writes one (header, bounding box and the pixels as PostScript)."""
-    buffer = io.BytesIO()
-    Image.new("RGB", (4, 3), "red").save(buffer, format="EPS")
-    return buffer.getvalue()
+    return red_4x3("EPS")
 
 
 def denied_files() -> dict[str, bytes]:
@@ -76,9 +81,7 @@ def test_a_pillow_without_a_listed_reader_still_opens_the_rest(monkeypatch: pyte
     # (a TIFF is tried after AVIF).
     Image.init()
     monkeypatch.delitem(Image.OPEN, "AVIF")
-    buffer = io.BytesIO()
-    Image.new("RGB", (4, 3), "red").save(buffer, format="TIFF")
-    with open_allowed(buffer.getvalue()) as image:
+    with open_allowed(red_4x3("TIFF")) as image:
         assert image.format == "TIFF"
 
 
@@ -94,11 +97,10 @@ def test_a_plugin_check_that_explains_itself_is_not_a_match(monkeypatch: pytest.
 
 @pytest.mark.parametrize("fmt", ["PNG", "BMP", "TIFF", "WEBP"])
 def test_allowed_formats_open(fmt: str, tmp_path: Path) -> None:
-    buffer = io.BytesIO()
-    Image.new("RGB", (4, 3), "red").save(buffer, format=fmt)
+    data = red_4x3(fmt)
     path = tmp_path / "image"
-    path.write_bytes(buffer.getvalue())
-    for source in (buffer.getvalue(), path):
+    path.write_bytes(data)
+    for source in (data, path):
         with open_allowed(source) as image:
             assert (image.format, image.size) == (fmt, (4, 3))
 
@@ -126,7 +128,5 @@ def test_a_png_is_opened_without_trying_other_plugins_first(monkeypatch: pytest.
     tried: list[str] = []
     factory, accept = Image.OPEN["IMT"]
     monkeypatch.setitem(Image.OPEN, "IMT", (lambda *args: tried.append("IMT") or factory(*args), accept))
-    buffer = io.BytesIO()
-    Image.new("RGB", (4, 3), "red").save(buffer, format="PNG")
-    with open_allowed(buffer.getvalue()) as image:
+    with open_allowed(red_4x3("PNG")) as image:
         assert image.format == "PNG" and tried == []
