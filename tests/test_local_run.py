@@ -280,7 +280,10 @@ FAKE_ENGINE = textwrap.dedent(
     if "FAKE_TOKEN_DIR" in os.environ:
         open(os.path.join(os.environ["FAKE_TOKEN_DIR"], "engine"), "w").write(os.environ.get("RAWMM_WEIGHTS_TOKEN", ""))
     helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    open(pid_file, "w").write(str(helper.pid))
+    # Written whole or not at all (renamed into place): a reader never sees it empty, even if we are killed.
+    with open(pid_file + ".tmp", "w") as out:
+        out.write(str(helper.pid))
+    os.replace(pid_file + ".tmp", pid_file)
     METRICS = (
         "rawmm_materialize_cache_hits_total 30\\nrawmm_materialize_cache_misses_total 10\\n"
         'rawmm_invalid_mm_image_ref_total{reason="missing_file"} 0\\nrawmm_engine_weights_version 2\\n'
@@ -470,7 +473,8 @@ DRIVER = textwrap.dedent(
     def report():
         while not all(child.pid for child in run.children):
             time.sleep(0.02)
-        (work / "pids.json").write_text(json.dumps([child.pid for child in run.children]))
+        (work / "pids.tmp").write_text(json.dumps([child.pid for child in run.children]))
+        (work / "pids.tmp").replace(work / "pids.json")  # whole or not at all for the test polling it
 
     threading.Thread(target=report, daemon=True).start()
     run.run()
