@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ports import free_port
 
 from rawmm.cli import main
 from rawmm.config import RunConfig
 from rawmm.run import LocalRun, LocalRunFailed, PlanError, plan_local_run
-from rawmm.run.plan import free_port
 from rawmm.run.processes import rawmm_argv
 from rawmm.run.state import SUMMARY_KEYS
 from rawmm.serve_argv import serve_argv
@@ -63,7 +63,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def test_plan_resolves_paths_ports_and_the_tiny_model(tmp_path):
-    port = free_port()
+    port = free_port(2)
     plan = plan_local_run(
         config(inference__base_port=port, inference__replicas=2), steps=3, output_dir=tmp_path
     )
@@ -80,7 +80,7 @@ def test_plan_resolves_paths_ports_and_the_tiny_model(tmp_path):
 
 def test_local_engines_run_the_command_line_the_operator_gives_its_pods(tmp_path):
     """One builder for both (`rawmm.serve_argv`): a local replica differs from a pod only in its address."""
-    port = free_port()
+    port = free_port(2)
     plan = plan_local_run(
         config(inference__base_port=port, inference__replicas=2, inference__materialize_cache_size="64Mi"),
         output_dir=tmp_path,

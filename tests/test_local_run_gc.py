@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ports import free_port
 from retention_kit import HOUR, age, png
 
 from rawmm.config import RunConfig
 from rawmm.contract import OffloadStore
 from rawmm.run import LocalRun, PlanError, plan_local_run
-from rawmm.run.plan import free_port
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "local-tiny.yaml"
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ports import free_port
 
 from rawmm.config import RunConfig
 from rawmm.run import LocalRun, plan_local_run
-from rawmm.run.plan import free_port
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "local-tiny-vllm.yaml"
 

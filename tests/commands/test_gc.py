@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ports import free_port
 from retention_kit import aged_images, blocked_on, checkpoint, poll, write_step
 
 from rawmm.cli import main
@@ -19,7 +20,6 @@ from rawmm.config import RunConfig, SharedDir
 from rawmm.contract import OffloadStore, StoredImage
 from rawmm.contract.store import GC_LOCK_NAME, directory_lock, stored_sha
 from rawmm.materialize import LoadedProcessor
-from rawmm.run.plan import free_port
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:

@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -54,6 +53,7 @@ from cryptography.x509.oid import NameOID
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes import watch as k8s_watch
+from ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = REPO / ".tools" / "k8s"
@@ -83,13 +83,6 @@ CONTROLLERS = (
     "persistentvolumeclaim-protection-controller",
     "persistentvolume-protection-controller",
 )
-
-
-def free_port() -> int:
-    """A port nothing listens on now. The components bind it a moment later; a clash fails the start loudly."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_for(check: Callable[[], Any], what: str, timeout: float = 60, interval: float = 0.1) -> Any:

@@ -13,8 +13,7 @@ from typing import Any
 
 import yaml
 from monitoring_helpers import stop_process, wait_until
-
-from rawmm.run.plan import free_port
+from ports import free_port
 
 
 class EmulatedOperator:

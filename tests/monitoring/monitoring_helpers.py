@@ -18,8 +18,7 @@ import httpx
 import pytest
 import yaml
 from chart_generate import load_generate
-
-from rawmm.run.plan import free_port
+from ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # Debian's prometheus package, unpacked by `make install` (no system install).

@@ -39,8 +39,7 @@ from monitoring_helpers import (
     variable_queries,
     wait_until,
 )
-
-from rawmm.run.plan import free_port
+from ports import free_port
 
 RUN_NAMESPACE = "ml"
 RUN_NAME = "tiny"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,16 +16,11 @@ import pytest
 import yaml
 from kube.emulator import Cluster, emulated_cluster
 from operator_samples import CPU_ONLY, ISSUE_EXAMPLE, rlrun
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from rawmm.cli import main
 from rawmm_operator.crd import crd_yaml
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:

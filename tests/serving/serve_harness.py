@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import numpy as np
 from PIL import Image
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from rawmm.contract import OffloadStore, get_family, render_chat
@@ -58,12 +59,6 @@ class Server:
             store=self.store,
         )
         return rendered.token_ids, rendered.features()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:

@@ -21,8 +21,9 @@ from typing import Any
 
 import httpx
 from PIL import Image
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
-from serve_harness import free_port, wait_healthy
+from serve_harness import wait_healthy
 
 from rawmm.contract import OffloadStore, RenderedPrompt, get_family, render_chat
 
