@@ -252,6 +252,44 @@ def test_read_verified_detects_changed_bytes_and_bad_hashes(
     assert info.value.reason == "malformed_ref"
 
 
+def test_read_verified_allocates_the_file_not_the_size_limit(
+    offload_store: OffloadStore, stored: StoredImage
+) -> None:
+    """A read sized by the limit (256 MiB) maps and unmaps that much on every read, under the GIL."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        offload_store.read_verified(stored.uri, stored.mm_hash)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * stored.path.stat().st_size + 2**20
+
+
+def test_read_verified_bounds_a_file_that_grew_after_its_stat(
+    offload_store: OffloadStore, stored: StoredImage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stat said less than the read finds (the file grew in between): the read goes on to the limit and no
+    further, so the limit holds, and bytes within it are whole (then the hash decides)."""
+    from rawmm.contract import store
+
+    real_size = stored.path.stat().st_size
+    real_fstat = os.fstat
+
+    def stale_fstat(fd: int) -> os.stat_result:
+        fields = list(real_fstat(fd))
+        fields[6] = real_size // 2  # st_size
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(store.os, "fstat", stale_fstat)
+    assert offload_store.read_verified(stored.uri, stored.mm_hash) == stored.path.read_bytes()
+    monkeypatch.setattr(store, "MAX_IMAGE_FILE_BYTES", real_size - 1)
+    with pytest.raises(InvalidImageRef) as info:
+        offload_store.read_verified(stored.uri, stored.mm_hash)
+    assert info.value.reason == "image_too_large"
+
+
 @pytest.mark.parametrize(
     "tail",
     [

@@ -196,8 +196,12 @@ def read_verified(uri: Any, mm_hash: str, roots: Sequence[Path]) -> bytes:
     try:
         with open(path, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
-            # Bounded by the size and by the read: the file may grow in between.
-            data = handle.read(MAX_IMAGE_FILE_BYTES + 1) if size <= MAX_IMAGE_FILE_BYTES else b""
+            # Sized by the stat, not the limit: read(limit) allocates the limit (256 MiB mapped and unmapped
+            # under the GIL on every read, 7x the read itself). Bounded by the read too: the file may grow
+            # in between.
+            data = handle.read(size + 1) if size <= MAX_IMAGE_FILE_BYTES else b""
+            if len(data) > size:
+                data += handle.read(MAX_IMAGE_FILE_BYTES + 1 - len(data))
     except FileNotFoundError:
         raise InvalidImageRef("missing_file", f"{path} vanished before it was read") from None
     except OSError as exc:
