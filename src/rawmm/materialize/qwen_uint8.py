@@ -6,7 +6,7 @@ calls torchvision's kernel (``interpolate`` on uint8) itself: transformers' and 
 it cost ~0.2 ms under the GIL a miss, a fifth of all the GIL a miss holds, which two worker threads
 cannot overlap. The patchify is ours because it is the one step left that costs more than the resize. transformers lays the patches out with one 8-d gather whose
 innermost reads stride over the channels-last resize output and duplicate every pixel ``temporal_patch_size``
-times. Here one gather fills the first temporal slot and a contiguous copy fills the rest: the same bytes
+times. Here one gather fills the first temporal slot and a broadcast copy fills all of them: the same bytes
 (a test compares them with transformers' output), about half the time. The copies are numpy's, which
 release the GIL and start no intra-op threads, so worker threads materializing in parallel each use one core.
 """
@@ -73,11 +73,13 @@ def patchify(pixels: torch.Tensor, *, patch: int, merge: int, temporal: int) -> 
         .reshape(channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch)
         .transpose(1, 4, 2, 5, 0, 3, 6)
     )
-    out = np.empty(
-        (grid_h // merge, grid_w // merge, merge, merge, channels, temporal, patch, patch), np.uint8
-    )
-    out[:, :, :, :, :, 0] = source
-    out[:, :, :, :, :, 1:] = out[:, :, :, :, :, :1]
+    blocks = (grid_h // merge, grid_w // merge, merge, merge, channels)
+    first = np.empty((*blocks, 1, patch, patch), np.uint8)
+    first[:, :, :, :, :, 0] = source
+    # Broadcast from an array of its own: copying slot 0 of `out` into the others would be a copy within
+    # one array, which numpy cannot prove disjoint and stages through a temporary (one more copy).
+    out = np.empty((*blocks, temporal, patch, patch), np.uint8)
+    out[...] = first
     return torch.from_numpy(out.reshape(grid_h * grid_w, channels * temporal * patch * patch))
 
 
