@@ -340,8 +340,10 @@ def bench_burst(store: OffloadStore, loaded: LoadedProcessor, rounds: int) -> No
         return took, timelines
 
     # The allocator decides per process whether a miss's scratch is reused or faulted in afresh (glibc's
-    # adaptive mmap and trim thresholds): 60-2200 page faults a miss, up to ~5 ms of kernel time on one
-    # worker; the one-worker side's rate, hence the ratio, moves with it.
+    # adaptive mmap and trim thresholds): 0-2200 page faults a miss, up to ~5 ms of kernel time on one
+    # worker; the one-worker side's rate, hence the ratio, moves with it. Two workers on one arena
+    # interleave their scratch, and more of it is handed back and faulted in again: in most runs a few
+    # hundred faults a miss where one worker has none.
     page_faults: dict[tuple[str, int], list[float]] = defaultdict(list)
     runs: dict[tuple[str, int], list[tuple[Clock, list[Timeline]]]] = {
         (side, n): [] for side in sides for n in (1, 2)
