@@ -39,6 +39,7 @@ import os
 import resource
 import statistics
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator
@@ -319,6 +320,8 @@ class Timeline:
     wall: float
     cpu: float
     core_wait: float
+    thread: int
+    end: float  # perf_counter
 
     @property
     def blocked(self) -> float:
@@ -329,7 +332,16 @@ def timed(work: Callable[[], Any]) -> Timeline:
     wall, (cpu, core_wait) = time.perf_counter(), thread_sched()
     work()
     cpu_after, core_wait_after = thread_sched()
-    return Timeline(time.perf_counter() - wall, cpu_after - cpu, core_wait_after - core_wait)
+    end = time.perf_counter()
+    return Timeline(end - wall, cpu_after - cpu, core_wait_after - core_wait, threading.get_ident(), end)
+
+
+def idle_tail(timelines: list[Timeline]) -> float:
+    """How long the first worker to run out of misses idles before the burst ends."""
+    last_end: dict[int, float] = {}
+    for timeline in timelines:
+        last_end[timeline.thread] = max(last_end.get(timeline.thread, 0.0), timeline.end)
+    return max(last_end.values()) - min(last_end.values())
 
 
 def bench_burst(store: OffloadStore, loaded: LoadedProcessor, rounds: int) -> None:
@@ -355,7 +367,8 @@ def bench_burst(store: OffloadStore, loaded: LoadedProcessor, rounds: int) -> No
     # adaptive mmap and trim thresholds): 0-2200 page faults a miss, up to ~5 ms of kernel time on one
     # worker; the one-worker side's rate, hence the ratio, moves with it. Two workers on one arena
     # interleave their scratch, and more of it is handed back and faulted in again: in most runs a few
-    # hundred faults a miss where one worker has none.
+    # hundred faults a miss where one worker has none. Faults do not explain the blocked time: with them
+    # gone (glibc.malloc.hugetlb=1: 1-2 a miss) two workers were still blocked 1.2-3.5 ms more a miss.
     page_faults: dict[tuple[str, int], list[float]] = defaultdict(list)
     runs: dict[tuple[str, int], list[tuple[Clock, list[Timeline]]]] = {
         (side, n): [] for side in sides for n in (1, 2)
@@ -384,6 +397,12 @@ def bench_burst(store: OffloadStore, loaded: LoadedProcessor, rounds: int) -> No
         print(f"   {n} worker(s), per miss: {mean['wall']:5.1f} ms = {mean['cpu']:5.1f} on a CPU + "
               f"{mean['core_wait']:5.1f} waiting for one + {mean['blocked']:4.1f} blocked; "
               f"{statistics.median(page_faults['misses', n]):5.0f} page faults (the process's, median burst)")  # fmt: skip
+    # A burst ends with its last miss: once the two workers' misses drift out of step, one worker idles
+    # for up to a miss at the end, which no per-miss saving removes.
+    tails = [idle_tail(timelines) for _, timelines in runs["misses", 2]]
+    walls = [took.wall for took, _ in runs["misses", 2]]
+    print(f"   2 workers: one idles {statistics.median(tails) * 1e3:4.1f} ms at a burst's end (median), "
+          f"{statistics.median(t / w for t, w in zip(tails, walls, strict=True)):.0%} of the burst")  # fmt: skip
 
 
 def rss_bytes() -> int:
