@@ -175,7 +175,9 @@ def bench_per_image(
             # Alternated, so machine noise hits every side, and in a rotating order: where a side's
             # scratch lands in the heap follows what ran before it, and fresh pages are dear here (page
             # faults of 70-130 us each, on first touch in this VM); in a fixed order one side drew them
-            # every round (the PIL miss: ~1100 faults in its rescale, 1.4-2.2x the bare PIL side).
+            # every round (the PIL miss: ~1100 faults in its rescale, 1.4-2.2x the bare PIL side). It still
+            # draws more here than the bare side (not in a plain loop, where the two are equal): read the
+            # PIL rows with their page faults.
             for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
                 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 with clock() as took:
