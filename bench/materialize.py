@@ -41,7 +41,6 @@ import statistics
 import tempfile
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -85,26 +84,33 @@ def feature(store: OffloadStore, loaded: LoadedProcessor, data: bytes, offset: i
 
 @dataclass
 class Clock:
-    """Wall time and this process's CPU time (all threads). CPU time is what the work costs even when other
-    processes crowd the machine; wall time is what a caller waits."""
+    """Wall time, this process's CPU time (all threads) and its page faults. CPU time is what the work costs
+    even when other processes crowd the machine; wall time is what a caller waits; faults say how much of
+    either went to fresh pages (70-130 us each on first touch in this VM)."""
 
     wall: float = 0.0
     cpu: float = 0.0
+    faults: float = 0.0
 
     def scaled(self, factor: float) -> Clock:
-        return Clock(self.wall * factor, self.cpu * factor)
+        return Clock(self.wall * factor, self.cpu * factor, self.faults * factor)
+
+
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 @contextmanager
 def clock() -> Iterator[Clock]:
     result = Clock()
-    wall, cpu = time.perf_counter(), time.process_time()
+    wall, cpu, faults = time.perf_counter(), time.process_time(), minor_faults()
     yield result
     result.wall, result.cpu = time.perf_counter() - wall, time.process_time() - cpu
+    result.faults = minor_faults() - faults
 
 
 def median(clocks: list[Clock]) -> Clock:
-    return Clock(statistics.median(c.wall for c in clocks), statistics.median(c.cpu for c in clocks))
+    return Clock(*(statistics.median(getattr(c, part) for c in clocks) for part in ("wall", "cpu", "faults")))
 
 
 def best(clocks: list[Clock]) -> Clock:
@@ -154,8 +160,6 @@ def bench_per_image(
         "PIL": engine_item_work(feature(store, pil, shot), pil, store),  # a ref with the PIL fingerprint
     }
 
-    faults: dict[str, list[int]] = defaultdict(list)  # the process's page faults, per side and round
-
     async def measure() -> dict[str, Clock]:
         cache: MaterializeCache[Any] = MaterializeCache(2**34)
         # All sides on the engine's miss threads, where it runs this work (allocator behaviour differs by thread).
@@ -179,11 +183,9 @@ def bench_per_image(
             # draws more here than the bare side (not in a plain loop, where the two are equal): read the
             # PIL rows with their page faults.
             for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 with clock() as took:
                     await runner(name, round_)()
                 times[name].append(took)
-                faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         count = 20_000
         with clock() as hit_time:
             for _ in range(count):
@@ -204,7 +206,7 @@ def bench_per_image(
     ]
     for label, name in rows:
         print(f"   {label:42s} {t[name].wall * 1e3:7.2f} ms | {t[name].cpu * 1e3:7.2f} ms | "
-              f"{statistics.median(faults[name]):5.0f}")  # fmt: skip
+              f"{t[name].faults:5.0f}")  # fmt: skip
     print(f"   {'cache hit':42s} {hit.wall * 1e6:7.2f} us | {hit.cpu * 1e6:7.2f} us")
 
     def ratio(label: str, name: str, goal: str = "") -> None:
@@ -357,12 +359,8 @@ def bench_burst(store: OffloadStore, loaded: LoadedProcessor, rounds: int) -> No
     }
 
     def burst(side: str, n: int) -> tuple[Clock, list[Timeline]]:
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         with clock() as took:
             timelines = list(pools[n].map(timed, sides[side]))
-        page_faults[side, n].append(
-            (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / len(timelines)
-        )
         return took, timelines
 
     # The allocator decides per process whether a miss's scratch is reused or faulted in afresh (glibc's
@@ -371,7 +369,6 @@ def bench_burst(store: OffloadStore, loaded: LoadedProcessor, rounds: int) -> No
     # interleave their scratch, and more of it is handed back and faulted in again: in most runs a few
     # hundred faults a miss where one worker has none. Faults do not explain the blocked time: with them
     # gone (glibc.malloc.hugetlb=1: 1-2 a miss) two workers were still blocked 1.2-3.5 ms more a miss.
-    page_faults: dict[tuple[str, int], list[float]] = defaultdict(list)
     runs: dict[tuple[str, int], list[tuple[Clock, list[Timeline]]]] = {
         (side, n): [] for side in sides for n in (1, 2)
     }
@@ -398,7 +395,8 @@ def bench_burst(store: OffloadStore, loaded: LoadedProcessor, rounds: int) -> No
         }
         print(f"   {n} worker(s), per miss: {mean['wall']:5.1f} ms = {mean['cpu']:5.1f} on a CPU + "
               f"{mean['core_wait']:5.1f} waiting for one + {mean['blocked']:4.1f} blocked; "
-              f"{statistics.median(page_faults['misses', n]):5.0f} page faults (the process's, median burst)")  # fmt: skip
+              f"{median([took for took, _ in runs['misses', n]]).faults / count:5.0f} page faults "
+              "(the process's, median burst)")  # fmt: skip
     # A burst ends with its last miss: once the two workers' misses drift out of step, one worker idles
     # for up to a miss at the end, which no per-miss saving removes.
     tails = [idle_tail(timelines) for _, timelines in runs["misses", 2]]
