@@ -386,13 +386,19 @@ class BurstProcesses:
             if together:
                 for go in self.go:
                     go.release()
-                for done in self.done:
-                    done.acquire()
+                for part in range(2):
+                    self.wait(part)
             else:
-                for go, done in zip(self.go, self.done, strict=True):
-                    go.release()
-                    done.acquire()
+                for part in range(2):
+                    self.go[part].release()
+                    self.wait(part)
         return took
+
+    def wait(self, part: int) -> None:
+        """Until process ``part`` has run its misses; a process that died fails the bench, not hangs it."""
+        while not self.done[part].acquire(timeout=1.0):
+            if not self.processes[part].is_alive():
+                raise RuntimeError(f"burst process {part} exited with {self.processes[part].exitcode}")
 
     def stop(self) -> None:
         for process in self.processes:
