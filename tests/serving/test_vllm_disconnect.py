@@ -12,12 +12,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import poll, request_in_flight
-from vllm_harness import Conversation, VllmServer, both_ways, picture, tiny, vllm_server
+from vllm_harness import MAX_MODEL_LEN, Conversation, VllmServer, both_ways, picture, tiny, vllm_server
 
 from rawmm.contract.engine_api import GENERATE_PATH
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-MAX_MODEL_LEN = 4096  # the harness's --max-model-len
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +51,7 @@ def test_a_generate_whose_client_hangs_up_is_aborted_in_vllm(server: VllmServer)
     conversation = Conversation(server)
     conversation.user(picture(1, 64, 48), "tell the longest story you know")
     rendered = conversation.render()
-    max_tokens = MAX_MODEL_LEN - len(rendered.token_ids)  # the whole context: minutes of decoding on CPU
+    max_tokens = MAX_MODEL_LEN - len(rendered.token_ids)  # the whole context: 10-15 s of decoding here
     body = {
         "prompt_token_ids": rendered.token_ids,
         "features": rendered.features(),

@@ -21,6 +21,7 @@ import httpx
 import pytest
 from PIL import Image
 from vllm_harness import (
+    MAX_MODEL_LEN,
     Conversation,
     VllmServer,
     assert_same,
@@ -134,7 +135,7 @@ def test_every_bad_request_is_a_400_with_a_reason(server: VllmServer, tmp_path: 
         "invalid_request",
         "temperature_too_low",
     )
-    assert error_of(generate(server, token_ids, features, max_tokens=4096)) == (
+    assert error_of(generate(server, token_ids, features, max_tokens=MAX_MODEL_LEN)) == (
         400,
         "invalid_request",
         "prompt_too_long",
@@ -274,10 +275,14 @@ def test_a_chat_request_queued_behind_a_weight_update_leaves_vllms_two_caches_in
     pauses = server.log.read_text().count(pausing)
     conversation = Conversation(server)
     conversation.user(picture(90, 120, 90), "queued behind a weight update")
+    messages = [{"role": "user", "content": "a long answer the update has to wait for"}]
+    prompt = server.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     running = {
         "model": str(server.model),
-        "messages": [{"role": "user", "content": "a long answer the update has to wait for"}],
-        "max_tokens": 3000,
+        "messages": messages,
+        # The whole context: the update's wait and the queueing must fit in its decoding (~13 s at the
+        # ~300 tokens/s of a fast 2-core machine; 3000 tokens left too little there).
+        "max_tokens": MAX_MODEL_LEN - len(prompt),
         "ignore_eos": True,
         "stream": True,
     }

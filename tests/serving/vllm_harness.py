@@ -81,6 +81,9 @@ class VllmServer:
         return self.post("/v1/rawmm/weights", {"path": str(path)}, Authorization=f"Bearer {WEIGHTS_TOKEN}")
 
 
+MAX_MODEL_LEN = 4096  # prompt plus completion, for every server here
+
+
 @contextmanager
 def vllm_server(
     model: Path, work: Path, *, weights_root: Path, vllm_args: Sequence[str] = (), timeout_s: float = 300.0
@@ -98,7 +101,7 @@ def vllm_server(
         "--host", "127.0.0.1", "--port", str(port), "--offload-root", str(store.root),
         "--processor-backend", BACKEND, "--weights-root", str(weights_root),
         # Eager (no torch.compile: ~50 s less start-up), fp32 (the paths compared to fp32 noise), no video.
-        "--", "--max-model-len", "4096", "--max-num-seqs", "4", "--enforce-eager", "--dtype", "float32",
+        "--", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--enforce-eager", "--dtype", "float32",
         "--limit-mm-per-prompt", '{"video": 0}', *vllm_args,
     ]  # fmt: skip
     with open(log, "wb") as log_file:
