@@ -351,8 +351,8 @@ def idle_tail(timelines: list[Timeline]) -> float:
 def burst_process(processor: Path, root: Path, images: list[FeatureImage], go: Any, done: Any) -> None:
     """A worker process of section 5: its share of the burst's misses, each time ``go`` is released."""
     share_one_allocator_arena()
-    loaded = load_processor(processor, "torchvision", pixels="uint8")
-    works = [engine_item_work(image, loaded, OffloadStore(root)) for image in images]
+    loaded, store = load_processor(processor, "torchvision", pixels="uint8"), OffloadStore(root)
+    works = [engine_item_work(image, loaded, store) for image in images]
     while True:
         go.acquire()
         for work in works:

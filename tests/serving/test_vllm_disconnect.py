@@ -64,7 +64,6 @@ def test_a_generate_whose_client_hangs_up_is_aborted_in_vllm(server: VllmServer)
         # Hang up as soon as vLLM runs it. Its token counter is no progress signal: vLLM-CPU publishes it in
         # steps (the first >= 20 came at ~1700 tokens, 11 s in), by which time a fast CPU has nearly
         # finished a context's worth of tokens.
-        running_since = time.monotonic()
     hung_up = time.monotonic()
     poll(lambda: counts(server)["running"] == 0, "vLLM's running requests back to 0 after the hang-up")
     aborted_after = time.monotonic() - hung_up
@@ -74,8 +73,5 @@ def test_a_generate_whose_client_hangs_up_is_aborted_in_vllm(server: VllmServer)
     # Aborted, not finished: no stop or length, and short of its tokens (left alone, it decodes them all).
     assert after["finished"] == before["finished"], "the generation finished instead of being aborted"
     assert generated < max_tokens, (generated, max_tokens)
-    print(
-        f"aborted {aborted_after:.2f} s after the hang-up ({hung_up - running_since:.2f} s after vLLM was seen "
-        f"running it): {generated:.0f} of {max_tokens} tokens decoded"
-    )
+    print(f"aborted {aborted_after:.2f} s after the hang-up, {generated:.0f} of {max_tokens} tokens decoded")
     both_ways(conversation)  # the engine serves on, equal to vLLM's own path
