@@ -220,3 +220,15 @@ def test_the_sampling_the_config_accepts_is_what_the_engine_schema_accepts(tmp_p
         except ValidationError:
             engine_accepts = False
         assert config_accepts == engine_accepts == (not over)
+
+
+def test_a_temperature_the_engines_refuse_is_refused_up_front(tmp_path: Path) -> None:
+    from rawmm.contract.engine_api import MIN_TEMPERATURE
+
+    for temperature, accepted in ((0.0, True), (MIN_TEMPERATURE, True), (0.001, False), (1e-40, False)):
+        path = write_yaml(tmp_path, {**MINIMAL, "orchestrator": {"sampling": {"temperature": temperature}}})
+        if accepted:
+            assert RunConfig.from_yaml(path).orchestrator.sampling.temperature == temperature
+            continue
+        with pytest.raises(ConfigError, match=r"orchestrator\.sampling\.temperature: .*below the minimum"):
+            RunConfig.from_yaml(path)

@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # The families' own records decide which presets and backends exist.
-from rawmm.contract.engine_api import MAX_TOKENS_LIMIT, TEMPERATURE_LIMIT
+from rawmm.contract.engine_api import MAX_TOKENS_LIMIT, TEMPERATURE_LIMIT, temperature_problem
 from rawmm.contract.families import Backend as ProcessorBackend
 from rawmm.contract.families import Preset
 from rawmm.contract.shared_dir import SharedDir
@@ -114,6 +114,14 @@ class EnvironmentConfig(StrictModel):
 class SamplingConfig(StrictModel):
     temperature: float = Field(default=1.0, ge=0.0, le=TEMPERATURE_LIMIT)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_can_be_sampled(cls, value: float) -> float:
+        # The engines refuse it on every request: refused here, before the run starts.
+        if (problem := temperature_problem(value)) is not None:
+            raise ValueError(problem)
+        return value
 
 
 class OrchestratorConfig(StrictModel):

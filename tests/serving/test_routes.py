@@ -1,5 +1,6 @@
-"""The generate route on a real uvicorn on 127.0.0.1, in process, over a stand-in engine: a request whose client
-hangs up is cancelled (its engine call, its materializations, its leases), and no other request with it."""
+"""The routes on a real uvicorn on 127.0.0.1, in process, over a stand-in engine: a generate request whose client
+hangs up is cancelled (its engine call, its materializations, its leases), and no other request with it; an
+engine that fails a weight update unexpectedly still answers an error body."""
 
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ from prometheus_client import REGISTRY
 from serve_harness import poll, request_in_flight
 
 from rawmm.contract import FeatureImage, OffloadStore, describe_stored_image, encode_ref, parse_ref
-from rawmm.contract.engine_api import GENERATE_PATH, Sampling
+from rawmm.contract.engine_api import GENERATE_PATH, WEIGHTS_PATH, Sampling
 from rawmm.materialize import MaterializeCache, load_processor
 from rawmm.serving import images as images_module
 from rawmm.serving.engine import Engine, Generation, ImageInput
-from rawmm.serving.guard import WEIGHTS_DISABLED
+from rawmm.serving.guard import WEIGHTS_DISABLED, WeightsGuard
 from rawmm.serving.images import RequestImages
 from rawmm.serving.routes import create_app
 
@@ -61,7 +62,7 @@ class StandInEngine(Engine):
             self.running -= 1
 
     async def load_weights(self, path: str) -> int:
-        raise NotImplementedError
+        raise RuntimeError("the stand-in engine cannot load weights")
 
     async def close(self) -> None:
         pass
@@ -182,3 +183,16 @@ def test_a_hung_up_request_leaves_a_shared_materialization_to_the_others(
     assert response.status_code == 200, response.text
     assert (cache.stats.misses, cache.stats.inflight_joins) == (1, 1)  # one materialization, not restarted
     assert len(cache) == 1 and cache.pinned_bytes == 0  # cached, held by no lease
+
+
+def test_a_weight_update_the_engine_fails_unexpectedly_is_a_500_with_an_error_body(
+    request_images: RequestImages, tmp_path: Path
+) -> None:
+    guard = WeightsGuard(token="t", root=tmp_path.resolve())
+    app = create_app(StandInEngine(request_images.processor), request_images, guard)
+    with serving(app) as url:
+        response = httpx.post(
+            url + WEIGHTS_PATH, json={"path": str(tmp_path)}, headers={"Authorization": "Bearer t"}
+        )
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "internal_error", response.text

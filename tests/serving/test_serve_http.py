@@ -160,6 +160,9 @@ def test_impossible_prompts_and_bodies_are_4xx_invalid_request_with_a_reason(ser
         ({"prompt_token_ids": [1, 10**9]}, "token_out_of_vocabulary"),
         ({"prompt_token_ids": [1] * 5000}, "prompt_too_long"),
         ({"prompt_token_ids": [1], "sampling": {"temperature": -1}}, "invalid_body"),
+        # vLLM's floor, for both engines; far below it, logits / temperature would overflow float32
+        ({"prompt_token_ids": [1], "sampling": {"temperature": 0.001}}, "temperature_too_low"),
+        ({"prompt_token_ids": [1], "sampling": {"temperature": 1e-39}}, "temperature_too_low"),
         ({"prompt_token_ids": [1], "unknown": 1}, "invalid_body"),
         (b"{not json", "invalid_json"),
         (b"[" * 20 + b"0" * (17 * 1024 * 1024), "body_too_large"),
@@ -216,6 +219,31 @@ def test_weight_updates_advance_the_version_and_each_response_reports_its_weight
         "message": missing.json()["error"]["message"],
     }
     assert httpx.get(f"{server.url}/health").json()["weights_version"] == version + 1
+
+
+def test_a_checkpoint_that_does_not_load_is_a_400_and_the_served_weights_stay(
+    server: Server, tiny_qwen2_vl: Path
+) -> None:
+    import shutil
+
+    version = httpx.get(f"{server.url}/health").json()["weights_version"]
+    token_ids, features = server.render([user(picture(80), "again")])
+    before = generate(server, token_ids, features, seed=3).json()
+    breakages: dict[str, Callable[[Path], Any]] = {
+        "random_header": lambda d: (d / "model.safetensors").write_bytes(b"\x07" * 100),
+        "cut_file": lambda d: (d / "model.safetensors").write_bytes(
+            (d / "model.safetensors").read_bytes()[:200]
+        ),
+        "null_config": lambda d: (d / "config.json").write_text("null"),
+    }
+    for name, breakage in breakages.items():
+        broken = shutil.copytree(tiny_qwen2_vl, server.weights_root / name)
+        breakage(broken)
+        response = server.load_weights(broken)
+        assert response.status_code == 400, (name, response.text)
+        assert response.json()["error"]["reason"] == "unloadable_weights", (name, response.text)
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "weights_version": version}
+    assert generate(server, token_ids, features, seed=3).json() == before
 
 
 def test_weight_updates_need_the_token_and_a_path_inside_the_weights_root(

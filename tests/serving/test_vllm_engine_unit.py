@@ -98,9 +98,10 @@ async def test_vllm_validation_errors_and_engine_death_map_to_400_and_503(tiny_q
 async def test_a_temperature_vllm_would_clamp_is_refused(tiny_qwen2_vl: Path) -> None:
     engine = engine_for(ScriptedClient(tiny_qwen2_vl), tiny_qwen2_vl)
     with pytest.raises(InvalidRequest) as caught:
-        await engine.generate([1, 2, 3], [], Sampling(max_tokens=2, temperature=0.005))
+        engine.check_request([1, 2, 3], Sampling(max_tokens=2, temperature=0.005))
     assert caught.value.reason == "temperature_too_low"
-    await engine.generate([1, 2, 3], [], Sampling(max_tokens=2, temperature=0.0))  # greedy is fine
+    for fine in (0.0, 0.01):  # greedy, and vLLM's own floor
+        engine.check_request([1, 2, 3], Sampling(max_tokens=2, temperature=fine))
 
 
 async def test_a_weight_update_pauses_reloads_resets_the_encoder_and_prefix_caches_and_resumes(
@@ -367,3 +368,12 @@ def test_vllms_multimodal_cache_defaults_to_the_materialize_budget(tiny_qwen2_vl
     assert cache_gb("--mm-processor-cache-gb", "1.5") == 1.5  # the user's choice stands
     # Our cache off does not turn vLLM's off (and with it the engine-core dedupe): vLLM's default stays.
     assert cache_gb(budget=0) == cache_gb(budget=None) > 0
+
+
+def test_a_checkpoint_whose_header_does_not_parse_is_unloadable(tmp_path: Path) -> None:
+    from rawmm.serving.vllm_engine import checkpoint_tensors
+
+    (tmp_path / "model.safetensors").write_bytes(b"\x07" * 100)
+    with pytest.raises(InvalidRequest) as caught:
+        checkpoint_tensors(tmp_path)
+    assert caught.value.reason == "unloadable_weights"

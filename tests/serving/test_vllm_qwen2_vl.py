@@ -315,8 +315,11 @@ def test_weight_updates_that_cannot_fit_are_refused_and_keep_the_version(
 ) -> None:
     version = httpx.get(f"{server.url}/health").json()["weights_version"]
     (checkpoints / "empty").mkdir(exist_ok=True)
+    (checkpoints / "broken").mkdir(exist_ok=True)
+    (checkpoints / "broken" / "model.safetensors").write_bytes(b"\x07" * 100)  # no parsable header
     for path, reason in (
         (checkpoints / "qwen3", "weights_do_not_fit"),
+        (checkpoints / "broken", "unloadable_weights"),
         (checkpoints / "empty", "not_a_checkpoint"),
         (checkpoints / "absent", "not_a_checkpoint"),
     ):

@@ -18,6 +18,18 @@ HEALTH_PATH = "/health"
 # The sampling limits a request may ask for; the run config's sampling section refuses more up front.
 MAX_TOKENS_LIMIT = 65536
 TEMPERATURE_LIMIT = 100.0
+# The lowest temperature above 0 (greedy) a request may ask for, whichever the engine: vLLM raises lower ones to
+# this with only a warning, and far lower ones overflow ``logits / temperature`` in float32 (the transformers
+# engine's sampling and the trainer's logprobs alike). Refused by the engines and, up front, by the run config.
+MIN_TEMPERATURE = 0.01
+
+
+def temperature_problem(temperature: float) -> str | None:
+    """Why ``temperature`` cannot be sampled at (``None`` when it can)."""
+    if 0 < temperature < MIN_TEMPERATURE:
+        return f"temperature {temperature} is below the minimum {MIN_TEMPERATURE} (0 means greedy)"
+    return None
+
 
 # `invalid_mm_image_ref`: a bad image ref (reasons in rawmm.contract.errors); `invalid_request`: any other
 # client error; `weights_refused`: the weights guard said no; the last two are the server's own faults.

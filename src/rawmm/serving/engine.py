@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from rawmm.contract import FeatureImage
-from rawmm.contract.engine_api import Sampling
+from rawmm.contract.engine_api import Sampling, temperature_problem
 from rawmm.materialize import EngineItem, LoadedProcessor
 
 
@@ -97,8 +97,12 @@ class Engine(ABC):
     def weights_version(self) -> int:
         return self.gate.version
 
-    def check_prompt(self, token_ids: Sequence[int], max_tokens: int) -> None:
-        """Reject a prompt the model cannot take (``InvalidRequest``) before any work is done for it."""
+    def check_request(self, token_ids: Sequence[int], sampling: Sampling) -> None:
+        """Reject a prompt the model cannot take, or sampling it cannot do (``InvalidRequest``), before any
+        work is done for it."""
+        if (problem := temperature_problem(sampling.temperature)) is not None:
+            raise InvalidRequest(problem, reason="temperature_too_low")
+        max_tokens = sampling.max_tokens
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(

@@ -150,7 +150,7 @@ def build_router(engine: Engine, images: RequestImages, guard: WeightsGuard = WE
 
     async def serve_generate(body: GenerateRequest) -> Any:
         try:
-            engine.check_prompt(body.prompt_token_ids, body.sampling.max_tokens)
+            engine.check_request(body.prompt_token_ids, body.sampling)
             parsed = images.parse(body.features, body.prompt_token_ids, engine.placeholder_token_id)
             async with images.hold(parsed) as inputs:  # the items stay accounted until the response
                 generation = await engine.generate(body.prompt_token_ids, inputs, body.sampling)
@@ -213,6 +213,14 @@ def build_router(engine: Engine, images: RequestImages, guard: WeightsGuard = WE
             return weights_refused_response(exc)
         except InvalidRequest as exc:
             return invalid_request_response(exc)
+        except Exception:
+            log.exception("loading weights from %s failed", body.path)
+            return _error(
+                500,
+                "internal_error",
+                "internal_error",
+                "the engine failed to load these weights; see its log",
+            )
         metrics.ENGINE_WEIGHTS_VERSION.set(version)
         log.info("loaded weights from %s: weights_version %d", path, version)
         return WeightsResponse(weights_version=version)

@@ -17,7 +17,9 @@ def nucleus_logprobs(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
         return logprobs
     sorted_logprobs, order = torch.sort(logprobs, descending=True)
     mass_before = torch.cumsum(sorted_logprobs.exp(), dim=-1) - sorted_logprobs.exp()
-    drop_sorted = mass_before >= top_p  # keeps the first token always
+    drop_sorted = mass_before >= top_p
+    # The top token stays whatever top_p is: one below float32's smallest (1e-46) compares as 0.
+    drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return torch.log_softmax(logprobs.masked_fill(drop, float("-inf")), dim=-1)
 

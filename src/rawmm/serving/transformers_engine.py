@@ -129,7 +129,8 @@ class TransformersEngine(Engine):
         try:
             # Read (and convert) the checkpoint off the engine thread: generation goes on meanwhile.
             fresh = await asyncio.to_thread(_load_model, path)
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever breaks reading the client's checkpoint (a bad
+            # header, a cut file, a config.json of `null`) touched only the fresh model: the served one is whole
             raise InvalidRequest(
                 f"cannot load weights from {path!r}: {exc}", reason="unloadable_weights"
             ) from None

@@ -28,7 +28,6 @@ rendered in between made the next request with its image a multimodal-cache miss
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import Sequence
@@ -54,10 +53,6 @@ from rawmm.materialize import EngineItem, FieldKind, LoadedProcessor, get_adapte
 from rawmm.serving.engine import Engine, EngineUnavailable, Generation, ImageInput, InvalidRequest
 
 log = logging.getLogger(__name__)
-
-# vLLM raises temperatures in (0, 0.01) to 0.01 (sampling_params._MAX_TEMP) with only a warning; we refuse
-# them, so a response is always sampled at the temperature the request asked for.
-MIN_TEMPERATURE = 1e-2
 
 
 def to_vllm_item(item: EngineItem) -> MultiModalKwargsItem:
@@ -140,12 +135,8 @@ def through_sender_cache(engine_input: Any, cache: Any | None) -> int:
 
 
 def to_sampling_params(sampling: Sampling) -> SamplingParams:
-    """vLLM's sampling parameters for ``sampling``; a temperature vLLM would silently raise is refused."""
-    if 0 < sampling.temperature < MIN_TEMPERATURE:
-        raise InvalidRequest(
-            f"temperature {sampling.temperature} is below vLLM's minimum {MIN_TEMPERATURE} (0 means greedy)",
-            reason="temperature_too_low",
-        )
+    """vLLM's sampling parameters for ``sampling`` (its temperature checked by ``Engine.check_request``: vLLM
+    would silently raise one below ``MIN_TEMPERATURE`` to it)."""
     return SamplingParams(
         max_tokens=sampling.max_tokens,
         temperature=sampling.temperature,
@@ -160,7 +151,7 @@ def to_sampling_params(sampling: Sampling) -> SamplingParams:
 
 def checkpoint_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Name -> (dtype, shape) of every tensor of a safetensors checkpoint directory (headers only)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -174,7 +165,7 @@ def checkpoint_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
                 for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
                     sliced = handle.get_slice(name)
                     tensors[name] = (sliced.get_dtype(), tuple(sliced.get_shape()))
-        except (OSError, ValueError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError, SafetensorError) as exc:
             raise InvalidRequest(f"cannot read {str(file)!r}: {exc}", reason="unloadable_weights") from None
     return tensors
 
