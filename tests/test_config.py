@@ -232,3 +232,27 @@ def test_a_temperature_the_engines_refuse_is_refused_up_front(tmp_path: Path) ->
             continue
         with pytest.raises(ConfigError, match=r"orchestrator\.sampling\.temperature: .*below the minimum"):
             RunConfig.from_yaml(path)
+
+
+def test_bad_values_the_bounds_would_let_through_are_refused_in_one_line(tmp_path: Path) -> None:
+    for section, problem in (
+        ({"trainer": {"learning_rate": float("inf")}}, "trainer.learning_rate"),
+        ({"trainer": {"max_grad_norm": float("nan")}}, "trainer.max_grad_norm"),
+        ({"trainer": {"seed": 10**26}}, "trainer.seed"),
+        ({"orchestrator": {"seed": -1}}, "orchestrator.seed"),
+        ({"inference": {"base_port": 65535, "replicas": 3}}, "past port 65535"),
+    ):
+        path = write_yaml(tmp_path, {**MINIMAL, **section})
+        with pytest.raises(ConfigError) as info:
+            RunConfig.from_yaml(path)
+        assert problem in str(info.value) and "\n" not in str(info.value), str(info.value)
+    # Remote engines' ports are their URLs': base_port plays no part.
+    remote = {"base_port": 65535, "replicas": 3, "urls": ["http://a:1", "http://b:1", "http://c:1"]}
+    assert RunConfig.from_mapping({**MINIMAL, "inference": remote}).inference.replicas == 3
+
+
+def test_a_run_config_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"name: caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"run\.yaml: not UTF-8 text \(byte 9: 0xe9\)$"):
+        RunConfig.from_yaml(path)

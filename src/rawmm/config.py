@@ -28,6 +28,11 @@ MissingImagePolicy = Literal["error", "zero_loss"]
 Parallelism = Literal["ddp", "fsdp"]
 
 
+# A run's seeds are 32-bit: every generator they seed takes them, and the RLRun schema can state the bound (the
+# API server refuses a maximum of 2**63, which is no int64).
+RUN_SEED_LIMIT = 2**32
+
+
 class ConfigError(ValueError):
     """A run configuration that cannot be used; the message names every offending field."""
 
@@ -35,7 +40,8 @@ class ConfigError(ValueError):
 class StrictModel(BaseModel):
     """Base of every config section: unknown keys are errors, assignments are validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No inf or nan: `learning_rate: .inf` passes every lower bound and would train to NaN.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelSettings(StrictModel):
@@ -97,6 +103,13 @@ class InferenceConfig(InferenceSettings):
             raise ValueError(f"vllm_args {self.vllm_args} are for engine: vllm, not {self.engine}")
         return self
 
+    @model_validator(mode="after")
+    def _local_replicas_have_ports(self) -> InferenceConfig:
+        # `rawmm run` gives local replica i the port base_port + i.
+        if not self.urls and self.base_port + self.replicas - 1 > 65535:
+            raise ValueError(f"base_port {self.base_port} + {self.replicas} replicas runs past port 65535")
+        return self
+
     @field_validator("urls")
     @classmethod
     def _urls_are_http(cls, urls: list[str]) -> list[str]:
@@ -134,7 +147,7 @@ class OrchestratorConfig(StrictModel):
     # Batch N is sampled with checkpoint N - max_async_level and checkpoint N needs batch N, so 0 would wait
     # forever; 1 = on-policy (every batch sampled with the newest weights).
     max_async_level: int = Field(default=1, ge=1)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=RUN_SEED_LIMIT)
     checkpoint_timeout_seconds: int = Field(
         default=7200,
         ge=1,
@@ -154,7 +167,7 @@ class TrainerConfig(StrictModel):
     clip_ratio_high: float = Field(default=0.28, ge=0.0)
     max_grad_norm: float = Field(default=1.0, gt=0.0)
     weight_decay: float = Field(default=0.0, ge=0.0)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=RUN_SEED_LIMIT)
     parallelism: Parallelism = "ddp"
     # recompute each layer's activations in backward: less memory for about one more forward pass
     activation_checkpointing: bool = False
@@ -253,9 +266,13 @@ class RunConfig(StrictModel):
     def from_yaml(cls, path: str | Path) -> RunConfig:
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read run config: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{path}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start]:#04x})"
+            ) from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
@@ -279,7 +296,7 @@ def _yaml_error_line(path: Path, exc: yaml.YAMLError) -> str:
 
 
 def format_validation_error(exc: ValidationError, *, source: str, what: str = "run config") -> str:
-    """One line per problem, each naming the field by its dotted path (`inference.replicas: ...`)."""
+    """One line naming every problem by its field's dotted path (`inference.replicas: ...; trainer.steps: ...`)."""
     lines = []
     for error in exc.errors(include_url=False):
         field = ".".join(str(part) for part in error["loc"]) or "(top level)"
@@ -289,4 +306,4 @@ def format_validation_error(exc: ValidationError, *, source: str, what: str = "r
         elif error["type"] == "missing":
             message = "required field is missing"
         lines.append(f"{field}: {message}")
-    return f"{source}: invalid {what}:\n  " + "\n  ".join(lines)
+    return f"{source}: invalid {what}: " + "; ".join(lines)

@@ -138,6 +138,8 @@ def _body(**changes: object) -> dict:
         "mmraw:" + json.dumps(_body(mm_hash="ab" * 16 + "\n")),
         "mmraw:" + json.dumps(_body(raw_image_uri="http://host/x.png")),
         "mmraw:" + json.dumps(_body(raw_image_uri="file:///x\n.png")),
+        "mmraw:" + json.dumps(_body(raw_image_uri="file:///x.png\t")),  # urlsplit would drop the tab
+        "mmraw:" + json.dumps(_body(raw_image_uri="file:///x\x7f.png")),
         "mmraw:" + json.dumps(_body(payload=[1, 2])),
         "mmraw:" + json.dumps(_body(payload={"g": [[[[[[[[[[[1]]]]]]]]]]]})),
         "mmraw:" + json.dumps(_body(fingerprint="not a fingerprint!")),

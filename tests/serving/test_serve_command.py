@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 from rawmm.cli import main
 from rawmm.commands import serve
@@ -34,6 +35,9 @@ def test_the_cache_budget_comes_from_the_flag_then_the_environment(
         (["--materialize-cache-size", "2GB"], "--materialize-cache-size"),
         (["--offload-root", "/nonexistent/offload"], "is not a directory"),
         (["--", "--max-model-len", "4096"], "--engine vllm only"),
+        (["--max-image-pixels", "-5"], "--max-image-pixels must be at least 1, got -5"),
+        (["--max-image-pixels", "0"], "--max-image-pixels must be at least 1, got 0"),
+        (["--max-pixels-in-flight", "0"], "--max-pixels-in-flight must be at least 1, got 0"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(
@@ -53,6 +57,31 @@ def test_a_model_without_a_supported_processor_is_a_one_line_error(
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     assert main(["serve", "--model", str(tmp_path), "--offload-root", str(tmp_path)]) == 2
     assert "not supported" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("config", "message"), [("null", "does not hold a JSON object"), ("{", "is not valid JSON")]
+)
+def test_a_config_json_that_is_no_object_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], config: str, message: str
+) -> None:
+    (tmp_path / "config.json").write_text(config)
+    assert main(["serve", "--model", str(tmp_path), "--offload-root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err
+
+
+def test_weights_that_do_not_load_are_a_one_line_error(
+    tmp_path: Path, tiny_qwen2_vl: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    broken = shutil.copytree(tiny_qwen2_vl, tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(b"\x07" * 100)
+    argv = ["serve", "--model", str(broken), "--offload-root", str(tmp_path), "--port", str(free_port())]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"rawmm serve: error: cannot load {broken}: "), err
 
 
 @pytest.mark.parametrize(

@@ -113,8 +113,9 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--offload-root {root} is not a directory")
     if args.weights_root is not None and not args.weights_root.is_dir():
         raise CliError(f"--weights-root {args.weights_root} is not a directory")
-    if args.max_pixels_in_flight is not None and args.max_pixels_in_flight < 1:
-        raise CliError(f"--max-pixels-in-flight must be at least 1, got {args.max_pixels_in_flight}")
+    for option in ("max_image_pixels", "max_pixels_in_flight"):
+        if (value := getattr(args, option)) is not None and value < 1:
+            raise CliError(f"--{option.replace('_', '-')} must be at least 1, got {value}")
     if args.vllm_args and args.engine != "vllm":
         raise CliError(f"extra arguments {args.vllm_args} are for --engine vllm only")
     _check_model(args.model)
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         processor = load_processor(args.model, args.processor_backend, args.trust_remote_code, pixels="uint8")
     except (OSError, ValueError) as exc:
         raise CliError(f"cannot load the image processor of {args.model}: {exc}") from None
-    max_pixels = args.max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS
+    max_pixels = DEFAULT_MAX_IMAGE_PIXELS if args.max_image_pixels is None else args.max_image_pixels
     images = RequestImages(
         processor,
         roots=args.offload_root,
@@ -178,7 +179,8 @@ def _serve_transformers(
 
     try:
         engine = TransformersEngine(args.model, processor)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - a checkpoint that does not load (a bad safetensors header, a
+        # config.json that is no model's) is a bad --model: one line, not a traceback
         raise CliError(f"cannot load {args.model}: {exc}") from None
     app = create_app(engine, images, WeightsGuard.from_env(args.weights_root))
     config = uvicorn.Config(app, log_level=args.log_level, access_log=False)

@@ -17,6 +17,8 @@ WEIGHTS_PATH = "/v1/rawmm/weights"
 HEALTH_PATH = "/health"
 # The sampling limits a request may ask for; the run config's sampling section refuses more up front.
 MAX_TOKENS_LIMIT = 65536
+# Seeds are int64s (vLLM's, torch's generators), never negative.
+SEED_LIMIT = 2**63
 TEMPERATURE_LIMIT = 100.0
 # The lowest temperature above 0 (greedy) a request may ask for, whichever the engine: vLLM raises lower ones to
 # this with only a warning, and far lower ones overflow ``logits / temperature`` in float32 (the transformers
@@ -46,7 +48,7 @@ class Sampling(BaseModel):
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(1.0, ge=0.0, le=TEMPERATURE_LIMIT)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     logprobs: bool = True
 
 

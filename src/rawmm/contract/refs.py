@@ -45,7 +45,8 @@ def _check_name(field: str, value: Any) -> str:
 def _check_uri(value: Any) -> str:
     if not isinstance(value, str) or not value.startswith("file://"):
         raise _malformed(f"raw_image_uri must be a file:// URI, got {value!r:.80}")
-    if any(ch in value for ch in "\x00\r\n"):
+    # Any control character (Unicode Cc), not only NUL and line breaks: urlsplit silently drops tabs.
+    if any(ch < "\x20" or "\x7f" <= ch <= "\x9f" for ch in value):
         raise _malformed("raw_image_uri contains control characters")
     try:
         value.encode("utf-8")

@@ -4,12 +4,11 @@ knows about families (the run config's preset type, checkpoint detection, adapte
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
 from rawmm.contract.errors import InvalidImageRef
-from rawmm.contract.families.base import BACKENDS, Backend, Family, Layout, check_backend
+from rawmm.contract.families.base import BACKENDS, Backend, Family, Layout, check_backend, read_json_object
 from rawmm.contract.families.kimi_k25 import KimiK25Config, KimiK25Family, KimiK25Preset
 from rawmm.contract.families.qwen_vl import QwenVLConfig, QwenVLFamily, QwenVLPreset
 
@@ -59,11 +58,11 @@ def detect_family(path: str | Path) -> Family[Any]:
     """The family of a checkpoint (a local dir or a hub id): its ``config.json`` model type, else the first
     family whose marker keys its ``preprocessor_config.json`` holds."""
     config_file = checkpoint_file(path, "config.json")
-    model_type = json.loads(config_file.read_text()).get("model_type") if config_file else None
+    model_type = read_json_object(config_file).get("model_type") if config_file else None
     if model_type in MODEL_TYPES:
         return FAMILIES[MODEL_TYPES[model_type]]
     preprocessor_file = checkpoint_file(path, "preprocessor_config.json")
-    preprocessor = json.loads(preprocessor_file.read_text()) if preprocessor_file else {}
+    preprocessor = read_json_object(preprocessor_file) if preprocessor_file else {}
     for family in FAMILIES.values():
         if any(marker in preprocessor for marker in family.preprocessor_markers):
             return family

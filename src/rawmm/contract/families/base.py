@@ -56,7 +56,15 @@ def read_preprocessor_config(path: str | Path) -> dict[str, Any]:
     file = path / PREPROCESSOR_CONFIG if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"no {PREPROCESSOR_CONFIG} at {path}")
-    data = json.loads(file.read_text())
+    return read_json_object(file)
+
+
+def read_json_object(file: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file, which must hold an object (``ValueError`` naming the file otherwise)."""
+    try:
+        data = json.loads(file.read_text())
+    except ValueError as exc:  # not UTF-8, or not JSON
+        raise ValueError(f"{file} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{file} does not hold a JSON object")
     return data
