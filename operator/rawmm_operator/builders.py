@@ -71,6 +71,12 @@ class RunRef:
     queue_name: str | None = None  # the RLRun's Kueue queue label, if any
 
 
+def run_ref(metadata: dict[str, Any], *, namespace: str, uid: str) -> RunRef:
+    """The RunRef of the RLRun with ``metadata`` in ``namespace``: its name and its Kueue queue label."""
+    queue = (metadata.get("labels") or {}).get(QUEUE_LABEL)
+    return RunRef(name=metadata["name"], namespace=namespace, uid=uid, queue_name=queue)
+
+
 def claim_name(run: RunRef, spec: RLRunSpec) -> str:
     """The offload volume's claim: the one the spec names, else the run's own."""
     return spec.offload.existing_claim or child_name(run.name, "offload")

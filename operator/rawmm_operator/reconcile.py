@@ -169,8 +169,7 @@ class Reconciler:
         now = utc_now()
         try:
             spec = parse_spec(name, body.get("spec"))
-            queue = (meta.get("labels") or {}).get(builders.QUEUE_LABEL)
-            run = RunRef(name=name, namespace=namespace, uid=meta["uid"], queue_name=queue)
+            run = builders.run_ref(meta, namespace=namespace, uid=meta["uid"])
             return self._converge(body, run, spec, generation, previous, now)
         except InvalidSpec as exc:
             status = invalid_spec_status(generation=generation, message=str(exc), previous=previous, now=now)

@@ -276,7 +276,7 @@ class RunConfig(StrictModel):
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise ConfigError(_yaml_error_line(path, exc)) from None
+            raise ConfigError(yaml_error_line(path, exc)) from None
         return cls.from_mapping(data, source=str(path))
 
     def to_yaml(self, path: str | Path | None = None) -> str:
@@ -287,7 +287,7 @@ class RunConfig(StrictModel):
         return text
 
 
-def _yaml_error_line(path: Path, exc: yaml.YAMLError) -> str:
+def yaml_error_line(path: Path, exc: yaml.YAMLError) -> str:
     """``file:line:column: problem`` (1-based, as editors count), one line."""
     mark = getattr(exc, "problem_mark", None)
     where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)

@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from tests.contract.test_gc import age, png
+from retention_kit import age, png
 
 from rawmm.contract import OffloadStore
 from rawmm.contract.files import temp_target, write_atomically

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import os
 import threading
 import time
@@ -12,27 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from PIL import Image
-from retention_kit import blocked_on, poll
+from retention_kit import HOUR, age, blocked_on, png, poll
 
 from rawmm.contract import OffloadStore
 from rawmm.contract.gc import STALE_TEMP_AGE_S, collect
 from rawmm.contract.store import GC_LOCK_NAME, StoredImage, directory_lock
 from rawmm.retention_bounds import MIN_OLDER_THAN_S, REUSE_UNLOCKED_AGE_S
-
-HOUR = 3600.0
-
-
-def png(seed: int) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", (4, 4), (seed % 256, seed // 256 % 256, 7)).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def age(path: str | Path, seconds: float) -> None:
-    """Set a file's last use `seconds` into the past."""
-    then = time.time() - seconds
-    os.utime(path, (then, then))
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:

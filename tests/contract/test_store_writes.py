@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from tests.contract.test_gc import age, png
+from retention_kit import age, png
 
 from rawmm.contract import OffloadStore
 

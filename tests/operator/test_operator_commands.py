@@ -139,6 +139,40 @@ def test_manifests_render_prints_the_children_of_an_rlrun(
     assert "the vllm engine needs gpus >= 1" in capsys.readouterr().err
 
 
+def test_manifests_render_queues_the_jobs_of_an_rlrun_with_a_kueue_label(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rawmm_operator.builders import QUEUE_LABEL
+
+    body = rlrun("exp", ISSUE_EXAMPLE)
+    body["metadata"]["labels"] = {QUEUE_LABEL: "team-a"}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(body))
+    assert main(["manifests", "--render", str(path)]) == 0
+    jobs = [doc for doc in yaml.safe_load_all(capsys.readouterr().out) if doc["kind"] == "Job"]
+    assert jobs and all(job["metadata"]["labels"][QUEUE_LABEL] == "team-a" for job in jobs)
+    assert all(job["spec"]["suspend"] is True for job in jobs)  # Kueue admits them
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("kind: RLRun\nmetadata: [1]\nspec: {}\n", "metadata must be a mapping"),
+        ("kind: RLRun\nmetadata: {name: 5}\nspec: {}\n", "metadata must be a mapping"),
+        ("kind: RLRun\nmetadata: {name: a, labels: [x]}\nspec: {}\n", "metadata must be a mapping"),
+        ("kind: RLRun\nmetadata: {name: a\n", "run.yaml:3:1: not valid YAML"),
+    ],
+)
+def test_manifests_render_of_a_malformed_rlrun_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    assert main(["manifests", "--render", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err
+
+
 @pytest.mark.slow
 def test_the_operator_imports_no_engine_or_trainer_code() -> None:
     code = (

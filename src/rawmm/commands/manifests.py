@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--render",
         type=Path,
         metavar="RLRUN_YAML",
-        help="print the children the operator would create for this RLRun (a dry run of its builders)",
+        help="print the children the operator would create for this RLRun, all but its weights Secret "
+        "(a dry run of its builders)",
     )
 
 
@@ -57,20 +58,35 @@ def run(args: argparse.Namespace) -> int:
 def _render(path: Path) -> str:
     import yaml
 
-    from rawmm_operator.builders import RunRef, build_children
+    from rawmm.config import yaml_error_line
+    from rawmm_operator.builders import build_children, run_ref
     from rawmm_operator.spec import InvalidSpec, parse_spec
 
     try:
-        body = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
+        body = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
         raise CliError(f"cannot read {path}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise CliError(yaml_error_line(path, exc)) from None
     if not isinstance(body, dict) or body.get("kind") != "RLRun":
         raise CliError(f"{path}: not an RLRun manifest")
+    # What the API server guarantees the operator: a metadata mapping, string name and namespace, string labels.
     meta = body.get("metadata") or {}
+    labels = (meta.get("labels") or {}) if isinstance(meta, dict) else None
+    if not (
+        isinstance(meta, dict)
+        and isinstance(meta.get("name", ""), str)
+        and isinstance(meta.get("namespace", "default"), str)
+        and isinstance(labels, dict)
+        and all(isinstance(value, str) for value in labels.values())
+    ):
+        raise CliError(f"{path}: metadata must be a mapping with a string name, namespace and labels")
     name = meta.get("name", "")
     try:
         spec = parse_spec(name, body.get("spec"))
     except InvalidSpec as exc:
         raise CliError(f"{path}: {exc}") from None
-    run_ref = RunRef(name=name, namespace=meta.get("namespace", "default"), uid="<uid of the RLRun>")
-    return yaml.safe_dump_all(build_children(run_ref, spec), sort_keys=False)
+    run = run_ref(
+        {**meta, "name": name}, namespace=meta.get("namespace", "default"), uid="<uid of the RLRun>"
+    )
+    return yaml.safe_dump_all(build_children(run, spec), sort_keys=False)
