@@ -1,13 +1,11 @@
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from rawmm.config import ConfigError, RunConfig
-from rawmm.quantity import BYTE_SIZE_PATTERN, parse_byte_size
 
 MINIMAL = {"model": {"path": "/models/tiny", "preset": "qwen2_vl"}, "shared_dir": "/tmp/run"}
 
@@ -16,41 +14,6 @@ def write_yaml(tmp_path: Path, data: object) -> Path:
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("0", 0),
-        ("1536", 1536),
-        ("2Gi", 2 * 1024**3),
-        ("1.5Ki", 1536),
-        ("500M", 500_000_000),
-        ("4k", 4000),
-        (".5Mi", 512 * 1024),
-        ("0.1k", 100),
-        ("1.0001k", 1001),  # rounds up, as Kubernetes does for memory
-        (4096, 4096),
-    ],
-)
-def test_parse_byte_size_accepts_bytes_and_quantities(text: str | int, expected: int) -> None:
-    assert parse_byte_size(text) == expected
-
-
-@pytest.mark.parametrize("text", ["", "2GB", "2gi", "-1", "1e3", "500m", "Gi", "1..5Gi", "1 Gi", -1, True])
-def test_parse_byte_size_rejects_with_the_value_in_the_message(text: str | int) -> None:
-    with pytest.raises(ValueError, match="invalid byte size"):
-        parse_byte_size(text)
-
-
-@pytest.mark.parametrize("text", ["0", "2Gi", "1.5Ki", ".5Mi", "2GB", "2gi", "1e3", "500m", "1 Gi"])
-def test_crd_pattern_accepts_exactly_what_the_parser_accepts(text: str) -> None:
-    try:
-        parse_byte_size(text)
-        parses = True
-    except ValueError:
-        parses = False
-    assert (re.fullmatch(BYTE_SIZE_PATTERN, text) is not None) == parses
 
 
 def test_minimal_yaml_fills_documented_defaults_and_derived_dirs(tmp_path: Path) -> None:

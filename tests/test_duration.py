@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rawmm.config import ConfigError, RunConfig
-from rawmm.duration import parse_duration
+from rawmm.duration import DURATION_PATTERN, parse_duration
 
 
 @pytest.mark.parametrize(
@@ -15,10 +19,20 @@ def test_durations_parse(text: str, seconds: int) -> None:
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "10", "1x", "m", "30m1h", "1h 30m", "-1h", "1.5h"])
+@pytest.mark.parametrize("text", ["", "10", "1x", "m", "30m1h", "1h 30m", "-1h", "1.5h", " 2h", "2h\n"])
 def test_malformed_durations_name_the_value(text: str) -> None:
     with pytest.raises(ValueError, match="invalid duration"):
         parse_duration(text)
+
+
+@given(st.text(st.sampled_from("0123456789dhms \n.-"), max_size=8) | st.from_regex(DURATION_PATTERN))
+def test_the_schema_pattern_accepts_exactly_what_the_parser_accepts(text: str) -> None:
+    try:
+        parse_duration(text)
+        parses = True
+    except ValueError:
+        parses = False
+    assert (re.fullmatch(DURATION_PATTERN, text) is not None) == parses
 
 
 def _config(retention: dict[str, object]) -> RunConfig:

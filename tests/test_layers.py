@@ -66,6 +66,17 @@ def test_a_layer_imports_nothing_above_it(layer: str) -> None:
     assert illegal == []
 
 
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_a_layer_reaches_nothing_above_it_through_other_modules(layer: str) -> None:
+    """Through modules outside every layer too (``rawmm.retention_bounds`` importing ``rawmm.materialize``
+    would make ``rawmm.contract`` load it)."""
+    chains = {
+        forbidden: graph().find_shortest_chain(layer, forbidden, as_packages=True)
+        for forbidden in sorted(FORBIDDEN[layer])
+    }
+    assert {forbidden: chain for forbidden, chain in chains.items() if chain} == {}
+
+
 def test_the_operator_imports_only_the_run_config_of_rawmm() -> None:
     illegal = sorted(
         (importer, imported)

@@ -20,7 +20,6 @@ EXAMPLE = Path(__file__).parents[1] / "examples" / "local-tiny-vllm.yaml"
 def test_the_vllm_example_runs_end_to_end_and_reloads_every_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pytest.importorskip("vllm")
     import httpx
 
     from rawmm.run.scrape import health_version, scrape

@@ -19,7 +19,8 @@ _DURATION = re.compile(DURATION_PATTERN)
 
 def parse_duration(text: str) -> int:
     """Seconds in ``text``; raises ``ValueError`` naming the bad value and the accepted form."""
-    match = _DURATION.match(text.strip()) if isinstance(text, str) else None
+    # The whole text, as the API server matches the schema's pattern (no stripping, no newline before `$`).
+    match = _DURATION.fullmatch(text) if isinstance(text, str) else None
     if match is None:
         raise ValueError(f"invalid duration {text!r}: expected e.g. 90s, 10m, 1h30m or 7d (units d, h, m, s)")
     units = match.groups()[1:]  # group 1 is the whole alternative

@@ -42,8 +42,9 @@ def parse_byte_size(value: str | int) -> int:
         if value < 0:
             raise ValueError(f"invalid byte size {value}: must not be negative")
         return value
-    text = str(value).strip()
-    match = _QUANTITY.match(text)
+    # The whole text, as the API server matches the schema's pattern: no stripping, and no `$` before a
+    # trailing newline (Python's `match` would let "2Gi\n" through where RE2 refuses it).
+    match = _QUANTITY.fullmatch(str(value))
     if match is None:
         raise ValueError(
             f"invalid byte size {value!r}: expected bytes or a Kubernetes quantity "

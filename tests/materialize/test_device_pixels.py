@@ -22,7 +22,6 @@ PARITY_TOLERANCE = (
 
 @pytest.fixture(scope="module")
 def device_norm() -> type:
-    pytest.importorskip("vllm")
     from vllm.model_executor.layers.fusion.mm_input_norm import FusedMMInputNorm
 
     return FusedMMInputNorm

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.slow  # importing vllm takes ~10 s: done in a fixture, 
 
 @pytest.fixture(scope="module")
 def vllm() -> SimpleNamespace:
-    """vLLM's multimodal API and our conversion (which imports vllm); skipped where vllm is not installed."""
-    pytest.importorskip("vllm.multimodal.inputs")
+    """vLLM's multimodal API and our conversion (which imports vllm): vLLM is part of every install, so a
+    broken one fails here rather than skipping."""
     from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItem, MultiModalKwargsItems
     from vllm.multimodal.utils import group_and_batch_mm_items
     from vllm.sampling_params import RequestOutputKind

@@ -21,7 +21,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    pytest.importorskip("vllm")
     root = tmp_path_factory.mktemp("vllm_disconnect")
     model = tiny("qwen2_vl", root / "checkpoints" / "seed0")
     with vllm_server(model, root / "work", weights_root=root / "checkpoints") as running:

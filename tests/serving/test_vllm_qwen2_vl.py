@@ -56,7 +56,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(checkpoints: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    pytest.importorskip("vllm")
     work = tmp_path_factory.mktemp("vllm_qwen2")
     with vllm_server(
         checkpoints / "seed0",

@@ -20,7 +20,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    pytest.importorskip("vllm")
     work = tmp_path_factory.mktemp("vllm_qwen3")
     model = tiny("qwen3_vl", work / "model")
     with vllm_server(model, work, weights_root=work) as running:

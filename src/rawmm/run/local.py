@@ -1,8 +1,9 @@
 """`rawmm run`: the whole loop on one machine, as local processes on one shared directory.
 
-Engines start first (`rawmm serve`, one per replica) and must answer `/health`; then the trainer
-(`rawmm train`) and the orchestrator (`rawmm orchestrate`) start together. The run is done when both
-exit 0. It fails, stopping everything, when the orchestrator or the trainer exits non-zero, or when
+The engines (`rawmm serve`, one per replica), the trainer (`rawmm train`) and the orchestrator (`rawmm
+orchestrate`) start together, so their start-ups overlap: the orchestrator waits for the engines' `/health`
+itself, and an engine not healthy within its start timeout fails the run. The run is done when the trainer
+and the orchestrator exit 0. It fails, stopping everything, when the orchestrator or the trainer exits non-zero, or when
 the last engine replica exits (while others live, a dead replica is reported and the orchestrator
 fails over). Ctrl-C stops everything as well. In every case the engines are scraped one last time,
 every process group is stopped (no orphans) and `summary.json` is written. Should `rawmm run` itself be
