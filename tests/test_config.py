@@ -219,3 +219,19 @@ def test_a_run_config_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
     path.write_bytes(b"name: caf\xe9\n")
     with pytest.raises(ConfigError, match=r"run\.yaml: not UTF-8 text \(byte 9: 0xe9\)$"):
         RunConfig.from_yaml(path)
+
+
+def test_a_key_written_twice_is_refused_with_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {path: m, preset: qwen2_vl}\nshared_dir: s\ntrainer:\n  steps: 2\n  steps: 20\n")
+    with pytest.raises(ConfigError, match=r"run\.yaml:5:3: not valid YAML: the key 'steps' is repeated$"):
+        RunConfig.from_yaml(path)
+    # Merge keys and the same key in different mappings are no repeat.
+    path.write_text("model: {path: m, preset: qwen2_vl}\nshared_dir: s\nbase: &b {steps: 3}\n")
+    with pytest.raises(ConfigError, match="base: unknown field"):
+        RunConfig.from_yaml(path)
+    path.write_text(
+        "model: {path: m, preset: qwen2_vl}\nshared_dir: s\ntrainer: {<<: {steps: 3}, seq_len: 8}\n"
+    )
+    config = RunConfig.from_yaml(path)
+    assert (config.trainer.steps, config.model.path) == (3, "m")

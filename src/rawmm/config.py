@@ -6,6 +6,7 @@ derives its sections from these models, so a field added here with a default app
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -274,7 +275,7 @@ class RunConfig(StrictModel):
                 f"{path}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start]:#04x})"
             ) from None
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as exc:
             raise ConfigError(yaml_error_line(path, exc)) from None
         return cls.from_mapping(data, source=str(path))
@@ -285,6 +286,29 @@ class RunConfig(StrictModel):
         if path is not None:
             Path(path).write_text(text)
         return text
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping repeating a key: YAML lets the last one silently win, so a
+    setting written twice would be half ignored."""
+
+
+def _mapping_without_repeats(loader: UniqueKeyLoader, node: yaml.MappingNode) -> Any:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: keys written here override the base's
+            continue
+        key = loader.construct_object(key_node)
+        if isinstance(key, Hashable):  # an unhashable key is construct_mapping's own error
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    problem=f"the key {key!r} is repeated", problem_mark=key_node.start_mark
+                )
+            seen.add(key)
+    return loader.construct_mapping(node)
+
+
+UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_repeats)
 
 
 def yaml_error_line(path: Path, exc: yaml.YAMLError) -> str:

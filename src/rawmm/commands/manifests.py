@@ -58,12 +58,12 @@ def run(args: argparse.Namespace) -> int:
 def _render(path: Path) -> str:
     import yaml
 
-    from rawmm.config import yaml_error_line
+    from rawmm.config import UniqueKeyLoader, yaml_error_line
     from rawmm_operator.builders import build_children, run_ref
     from rawmm_operator.spec import InvalidSpec, parse_spec
 
     try:
-        body = yaml.safe_load(path.read_text(encoding="utf-8"))
+        body = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except (OSError, UnicodeDecodeError) as exc:
         raise CliError(f"cannot read {path}: {exc}") from None
     except yaml.YAMLError as exc:
