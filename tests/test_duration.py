@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from schema_patterns import parser_agrees_with_pattern
 
 from rawmm.config import ConfigError, RunConfig
 from rawmm.duration import DURATION_PATTERN, parse_duration
@@ -27,12 +26,7 @@ def test_malformed_durations_name_the_value(text: str) -> None:
 
 @given(st.text(st.sampled_from("0123456789dhms \n.-"), max_size=8) | st.from_regex(DURATION_PATTERN))
 def test_the_schema_pattern_accepts_exactly_what_the_parser_accepts(text: str) -> None:
-    try:
-        parse_duration(text)
-        parses = True
-    except ValueError:
-        parses = False
-    assert (re.fullmatch(DURATION_PATTERN, text) is not None) == parses
+    assert parser_agrees_with_pattern(parse_duration, DURATION_PATTERN, text)
 
 
 def _config(retention: dict[str, object]) -> RunConfig:
