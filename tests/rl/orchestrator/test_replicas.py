@@ -1,6 +1,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 from collections import Counter
 
 import httpx
@@ -24,6 +28,29 @@ def test_rendezvous_order_is_stable_and_spreads_keys():
     firsts = Counter(rendezvous_order(f"rollout-{k}", urls)[0] for k in range(400))
     assert rendezvous_order("rollout-7", urls) == rendezvous_order("rollout-7", list(reversed(urls)))
     assert set(firsts) == set(urls) and min(firsts.values()) > 60
+
+
+def test_rendezvous_order_is_the_same_in_a_fresh_process_with_another_hash_seed():
+    urls = [f"http://10.0.0.{i}:8000" for i in range(4)]
+    keys = [f"step{k}-g{k % 3}-r{k % 2}" for k in range(50)]
+    script = (
+        "import json, sys\n"
+        "from rawmm.rl.orchestrator.replicas import rendezvous_order\n"
+        "keys, urls = json.loads(sys.argv[1])\n"
+        "print(json.dumps([rendezvous_order(k, urls) for k in keys]))\n"
+    )
+    here = [rendezvous_order(k, urls) for k in keys]
+    # Two seeds, so at least one differs from this process's (which may be fixed or random).
+    for hash_seed in ("1", "2"):
+        done = subprocess.run(
+            [sys.executable, "-c", script, json.dumps([keys, urls])],
+            env={**os.environ, "PYTHONHASHSEED": hash_seed},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        assert json.loads(done.stdout) == here, hash_seed
 
 
 def test_removing_a_replica_moves_only_its_keys():
@@ -130,14 +157,38 @@ async def _until(condition) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_wait_ready_waits_for_a_replica_that_is_still_starting(fake_engines, pool_factory):
-    make, _ = pool_factory
+class HealthRecordingClient(EngineClient):
+    """Records every `/health` probe that failed, so a test can act only after the pool has seen one."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.failed_health: list[str] = []
+
+    async def health(self, url: str) -> int:
+        try:
+            return await super().health(url)
+        except httpx.HTTPError:
+            self.failed_health.append(url)
+            raise
+
+
+async def test_wait_ready_waits_for_a_replica_that_is_still_starting(fake_engines):
     engine = await fake_engines()
     await engine.stop()  # not listening yet: still loading its model
-    pool = make([engine.url], down_timeout_s=30, probe_interval_s=0.02)
-    waiting = asyncio.create_task(pool.wait_ready())
-    await engine.start()
-    await asyncio.wait_for(waiting, timeout=10)
+    metrics = OrchestratorMetrics()
+    async with httpx.AsyncClient(timeout=5) as http:
+        client = HealthRecordingClient(http, metrics, FAST_RETRY)
+        pool = ReplicaPool([engine.url], client, metrics, down_timeout_s=30, probe_interval_s=0.02)
+        waiting = asyncio.create_task(pool.wait_ready())
+        try:
+            # The engine comes up only once the pool found it down: wait_ready has to probe again.
+            await asyncio.wait_for(_until(lambda: client.failed_health or waiting.done()), timeout=10)
+            assert not waiting.done(), waiting  # it gave up instead of probing again
+            await engine.start()
+            await asyncio.wait_for(waiting, timeout=10)
+        finally:
+            waiting.cancel()
+            await pool.close()
     assert pool.up == [engine.url]
 
 

@@ -131,3 +131,20 @@ def test_activation_checkpointing_saves_less_for_backward_and_changes_nothing_el
     recomputed = load_file(checkpoint_dir(tmp_path / "checkpointing-True", 1) / "model.safetensors")
     for name, tensor in plain.items():
         torch.testing.assert_close(recomputed[name], tensor, rtol=0, atol=1e-7, msg=name)
+
+
+def test_a_tiny_max_grad_norm_bounds_the_weight_update_as_the_clip_implies(rollouts, make_config):
+    rollouts.write(1, rollouts.standard_batch())
+    trainer = Trainer(make_config(), init_distributed())
+    [group] = trainer.optimizer.param_groups
+    lr, eps = group["lr"], group["eps"]
+    # Clip to AdamW's eps: its first step moves each weight by lr*g/(|g|+eps), and with |g| <= eps that
+    # is between lr*g/(2*eps) and lr*g/eps, so the whole update's norm lies in [lr/2, lr].
+    trainer.config.trainer.max_grad_norm = eps
+    before = [p.detach().clone() for p in trainer.parameters]
+    [result] = trainer.run(1, batch_timeout=5)
+    update = torch.cat([(p.detach() - b).flatten() for p, b in zip(trainer.parameters, before, strict=True)])
+
+    assert result.grad_norm > 1e3 * eps  # the clip binds (the report is the norm before clipping)
+    # Unclipped, the step would move each weight that has a gradient by about lr: hundreds of lr in norm.
+    assert 0.5 * lr <= float(update.norm()) <= 1.01 * lr  # 1%: float32 rounding of the weights
