@@ -164,7 +164,8 @@ class ReplicaPool:
             if self._weights_path is not None:
                 version = await self._client.load_weights(url, self._weights_path)
         except (httpx.HTTPError, EngineError, ValueError, KeyError) as exc:
-            log.info("engine replica %s still down: %s", url, exc)
+            # Every probe interval for as long as it stays down: "marked down" and "is back" are the news.
+            log.debug("engine replica %s still down: %s", url, exc)
             return False
         self.weights_versions[url] = version
         return True
