@@ -3,7 +3,7 @@
 Every rank reads the whole step batch and packs it identically; rank r trains micro-batches
 r, r + world, ... and the gradients are summed across ranks before the optimizer step. Because the
 loss is normalized by the step's total loss tokens (not per rank), the summed gradient equals the
-single-process gradient, and every rank applies the same update.
+single-process gradient (none where no rank has one), and every rank applies the same update.
 """
 
 from __future__ import annotations
@@ -58,14 +58,23 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_gradients(parameters: list[torch.nn.Parameter]) -> None:
-    """Sum gradients over ranks with one flat all-reduce (a rank without micro-batches sends zeros)."""
+    """Sum gradients over ranks with one flat all-reduce (a rank without micro-batches sends zeros).
+
+    A parameter no rank has a gradient for (the vision tower in a text-only step) keeps none, as in one
+    process: AdamW then leaves it alone, where a zero gradient would still move it by its momentum.
+    """
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    # One more element per parameter, in the same all-reduce: on how many ranks it has a gradient.
+    has_grad = torch.tensor(
+        [p.grad is not None for p in parameters], dtype=grads[0].dtype, device=grads[0].device
+    )
+    flat = torch.cat([*(g.reshape(-1) for g in grads), has_grad])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    ranks_with_grad = flat[-len(parameters) :].tolist()
     offset = 0
-    for p, g in zip(parameters, grads, strict=True):
+    for p, g, ranks in zip(parameters, grads, ranks_with_grad, strict=True):
         n = g.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
+        p.grad = flat[offset : offset + n].view_as(p).clone() if ranks > 0 else None
         offset += n
