@@ -47,7 +47,7 @@ def test_yaml_round_trip_keeps_every_value(tmp_path: Path) -> None:
         },
         "orchestrator": {
             "environment": {"name": "shapes", "args": {"max_shapes": 5}},
-            "sampling": {"top_p": 0.9},
+            "sampling": {"temperature": 0.7},
         },
         "trainer": {"steps": 7, "learning_rate": 3e-6, "missing_image_policy": "zero_loss"},
     }
@@ -84,6 +84,7 @@ def test_integer_cache_size_from_yaml_is_kept_as_text(tmp_path: Path) -> None:
         ({"inference": {"urls": ["engine-0:8000"]}}, "inference.urls", "must start with http"),
         ({"inference": {"cache": "2Gi"}}, "inference.cache", "unknown field"),
         ({"orchestrator": {"sampling": {"top_p": 0}}}, "orchestrator.sampling.top_p", "greater than 0"),
+        ({"orchestrator": {"sampling": {"top_p": 0.9}}}, "orchestrator.sampling.top_p", "cannot be trained on"),
         (
             {"orchestrator": {"max_async_level": 0}},
             "orchestrator.max_async_level",

@@ -137,6 +137,19 @@ class SamplingConfig(StrictModel):
             raise ValueError(problem)
         return value
 
+    @field_validator("top_p")
+    @classmethod
+    def _top_p_can_be_trained_on(cls, value: float) -> float:
+        # The engine reports logprobs under the renormalized nucleus; the trainer scores the full distribution
+        # (logits / temperature), so every importance ratio would start at the nucleus mass instead of 1
+        # (0.5 at top_p 0.5: the clip then drops every negative-advantage token's gradient).
+        if value != 1.0:
+            raise ValueError(
+                f"top_p {value} cannot be trained on: the trainer scores tokens under the full distribution, "
+                "so only top_p 1.0 gives unbiased importance ratios"
+            )
+        return value
+
 
 class OrchestratorConfig(StrictModel):
     environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
