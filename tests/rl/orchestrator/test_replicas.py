@@ -121,6 +121,25 @@ async def test_replica_back_from_down_loads_the_latest_weights_first(fake_engine
     assert metrics.registry.get_sample_value("rawmm_engine_replicas_up") == 2
 
 
+async def test_a_replica_that_restarted_unseen_is_not_used_until_it_has_the_latest_weights(
+    fake_engines, pool_factory
+):
+    make, _ = pool_factory
+    engines = [await fake_engines() for _ in range(2)]
+    pool = make([e.url for e in engines], probe_interval_s=0.02)
+    await pool.load_weights("/ckpt/step_1")
+    key = "rollout"
+    pinned = next(e for e in engines if e.url == rendezvous_order(key, pool.urls)[0])
+    other = next(e for e in engines if e is not pinned)
+    pinned.weights_version = 0  # restarted between two requests: up again, on its startup weights
+    url, generation = await pool.generate(key, request([1]))
+    assert (url, generation.weights_version) == (other.url, 1)  # not the stale replica's answer
+    await asyncio.wait_for(_until(lambda: pinned.url in pool.up), timeout=10)
+    assert pinned.weights_paths == ["/ckpt/step_1", "/ckpt/step_1"]  # reloaded before it serves again
+    url, generation = await pool.generate(key, request([1]))
+    assert (url, generation.weights_version) == (pinned.url, 1)
+
+
 async def test_all_replicas_down_waits_then_fails_clearly(fake_engines, pool_factory):
     make, _ = pool_factory
     engine = await fake_engines()

@@ -3,8 +3,9 @@
 Pinning: every rollout goes to the live replica that ranks first for its key under rendezvous
 (highest-random-weight) hashing, so all its turns hit the same replica's materialize cache, the
 choice is stable across processes (no Python `hash()`), and a replica going down moves only its
-own rollouts. A replica whose request fails after the client's retries is marked down and the
-request moves to the next replica in the rollout's ranking. While any replica is down a
+own rollouts. A replica whose request fails after the client's retries, or that answers on older weights
+than it was given (it restarted unseen), is marked down and the request moves to the next replica in the
+rollout's ranking. While any replica is down a
 background probe polls its `/health`; when it answers, it is told to load the latest weights
 before it takes rollouts again. When no replica is up, requests wait up to `down_timeout_s` for
 one to come back, then fail with `NoReplicaAvailable`.
@@ -98,9 +99,19 @@ class ReplicaPool:
         while True:
             for url in rendezvous_order(key, self.up):
                 try:
-                    return url, await self._client.generate(url, request)
+                    generation = await self._client.generate(url, request)
                 except ReplicaUnavailable as exc:
                     self._mark_down(url, str(exc))
+                    continue
+                expected = self.weights_versions.get(url, 0)
+                if generation.weights_version < expected:
+                    # It restarted within the client's retries and answers on its startup weights: the
+                    # generation is dropped, and the replica reloads the latest weights before it serves again.
+                    self._mark_down(
+                        url, f"it answered on weights version {generation.weights_version}, not {expected}"
+                    )
+                    continue
+                return url, generation
             await self._wait_for_any_up()
 
     async def load_weights(self, path: str) -> None:
