@@ -347,6 +347,8 @@ class Reconciler:
         for kind in PRUNED_KINDS:
             if kind == "Job" and stage == "finished":
                 continue
+            if kind == "PodMonitor" and not self.pod_monitor.enabled:
+                continue  # none are built, and the chart then grants no right to list them
             try:
                 children = self.api.list(kind, run.namespace, {RUN_LABEL: run.name})
             except ApiError as exc:

@@ -33,3 +33,21 @@ def test_a_namespaced_install_reconciles_its_namespace_only(kube_cluster: KubeCl
         assert elsewhere.returncode != 0 and "forbidden" in elsewhere.stderr
     for namespace in (watched, other):
         remove_runs(kube_cluster, namespace)
+
+
+def test_an_install_without_pod_monitors_reconciles_with_no_request_denied(kube_cluster: KubeCluster) -> None:
+    """`runs.podMonitor.enabled=false` grants no right on PodMonitors (the CRD may be served anyway): the
+    operator must not even list them, or every pass fails and the run's status is never written."""
+    namespace = kube_cluster.namespace("no-monitors")
+    run = Run(kube_cluster, namespace)
+    with installed_chart(kube_cluster, {"runs": {"podMonitor": {"enabled": False}}}) as chart:
+        offset = kube_cluster.audit_log.stat().st_size
+        # What the chart's Deployment passes it (RAWMM_POD_MONITOR): the operator runs here, not in a pod.
+        with kube_cluster.operator(chart.kubeconfig, env={"RAWMM_POD_MONITOR": "false"}) as operator:
+            run.create(SPEC)
+            run.wait_phase("Running", operator)  # the status is written: the passes go through
+        assert not [key for key in run.children() if key[0] == "PodMonitor"]
+        events = kube_cluster.audit_events(chart.user, since=offset)
+        denied = sorted({(e["verb"], e["requestURI"]) for e in events if e["responseStatus"]["code"] == 403})
+        assert not denied, denied
+    remove_runs(kube_cluster, namespace)
