@@ -25,6 +25,7 @@ from rawmm_operator.spec import (
     RUN_CONFIG_DIR,
     RUN_CONFIG_FILE,
     SHARED_MOUNT,
+    TORCHRUN_PORT,
     PodSettings,
     Resources,
     RLRunSpec,
@@ -42,7 +43,6 @@ TEMPLATE_HASH = f"{API_GROUP}/template-hash"
 # The RLRun's `suspend` the operator last carried to a Job: the Job's own `suspend` changes only when
 # the RLRun's does, so a queue (Kueue) that suspends or admits a Job is never overruled.
 RUN_SUSPEND = f"{API_GROUP}/run-suspend"
-TORCHRUN_PORT = 29500
 # The images run as this user (images/ Dockerfiles); fsGroup makes the shared volume writable for it.
 POD_USER = 1000
 # The engines' and orchestrator's shared secret for `POST /v1/rawmm/weights` (issue #13): a Secret per run.

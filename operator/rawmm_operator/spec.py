@@ -9,6 +9,7 @@ reached it anyway (an older CRD, a server without CEL).
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -156,6 +157,8 @@ def default_resources(description: str = "", **requests: str) -> Any:
     )
 
 
+# The trainer pods' torchrun rendezvous port (several nodes): no other container port may take it.
+TORCHRUN_PORT = 29500
 # What the operator mounts in every pod: user volumes and mounts may not reuse these.
 RESERVED_VOLUMES = frozenset({"shared", "tmp", "dshm", "config"})
 RESERVED_MOUNT_PATHS = frozenset({str(SHARED_MOUNT), "/tmp", "/dev/shm", str(RUN_CONFIG_DIR)})
@@ -165,7 +168,19 @@ Objects = list[dict[str, Any]]
 
 
 def _free_names(items: Objects, key: str, reserved: frozenset[str]) -> bool:
-    return not any(item.get(key) in reserved for item in items)
+    return not any(_normalized(item.get(key), key) in reserved for item in items)
+
+
+def _normalized(value: Any, key: str) -> Any:
+    # `/shared/` and `/shared//` are `/shared`: the kubelet mounts them all at the same place.
+    return posixpath.normpath(value) if key == "mountPath" and isinstance(value, str) and value else value
+
+
+def _distinct(items: Objects, key: str) -> bool:
+    """No two items share ``key``: server-side apply cannot even build a patch from such a list (list-map
+    keys), and answers with a 500 that would look transient."""
+    values = [_normalized(item.get(key), key) for item in items]
+    return len(values) == len(set(map(repr, values)))
 
 
 class PodSettings(SpecModel):
@@ -183,6 +198,18 @@ class PodSettings(SpecModel):
             cel=None,
             message=f"volumeMounts may not mount at {', '.join(sorted(RESERVED_MOUNT_PATHS))} (the operator's own)",
             holds=lambda s: _free_names(s.volume_mounts, "mountPath", RESERVED_MOUNT_PATHS),
+        ),
+        *(
+            Rule(
+                cel=None,
+                message=f"two {field} share a {key}",
+                holds=lambda s, f=attr, k=key: _distinct(getattr(s, f), k),
+            )
+            for field, attr, key in (
+                ("env entries", "env", "name"),
+                ("volumes", "volumes", "name"),
+                ("volumeMounts", "volume_mounts", "mountPath"),
+            )
         ),
     )
 
@@ -389,6 +416,11 @@ class RLRunSpec(SpecModel):
             cel="self.offload.accessMode != 'ReadWriteOnce' || self.trainer.nodes == 1",
             message="offload.accessMode ReadWriteOnce keeps every pod on one node: it needs trainer.nodes 1",
             holds=lambda s: s.offload.access_mode != "ReadWriteOnce" or s.trainer.nodes == 1,
+        ),
+        Rule(
+            cel=f"self.monitoring.trainerMetricsPort != {TORCHRUN_PORT}",
+            message=f"monitoring.trainerMetricsPort {TORCHRUN_PORT} is torchrun's rendezvous port in the trainer pods",
+            holds=lambda s: s.monitoring.trainer_metrics_port != TORCHRUN_PORT,
         ),
     )
 

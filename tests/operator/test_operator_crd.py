@@ -337,7 +337,7 @@ def test_read_write_once_pod_is_refused_and_read_write_once_needs_one_trainer_no
     schema = open_api_schema()
     modes = schema["properties"]["spec"]["properties"]["offload"]["properties"]["accessMode"]["enum"]
     assert modes == ["ReadWriteMany", "ReadWriteOnce"]
-    (rule,) = cel_rules(schema["properties"]["spec"])
+    (rule,) = [r for r in cel_rules(schema["properties"]["spec"]) if "ReadWriteOnce" in r["message"]]
     for mode, nodes, ok in [
         ("ReadWriteOnce", 1, True),
         ("ReadWriteOnce", 2, False),
@@ -348,6 +348,16 @@ def test_read_write_once_pod_is_refused_and_read_write_once_needs_one_trainer_no
                 "run",
                 merged(SPECS["multi-node"], {"offload": {"accessMode": mode}, "trainer": {"nodes": nodes}}),
             )
+        )
+        assert evaluate(rule["rule"], stored["spec"]) is ok
+
+
+def test_the_trainer_metrics_port_may_not_be_torchruns() -> None:
+    schema = open_api_schema()
+    (rule,) = [r for r in cel_rules(schema["properties"]["spec"]) if "torchrun" in r["message"]]
+    for port, ok in [(29500, False), (9102, True), (29501, True)]:
+        stored = as_stored(
+            rlrun("run", merged(SPECS["multi-node"], {"monitoring": {"trainerMetricsPort": port}}))
         )
         assert evaluate(rule["rule"], stored["spec"]) is ok
 

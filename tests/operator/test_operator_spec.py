@@ -63,6 +63,31 @@ def test_spec_is_camel_case_and_inherits_the_run_config_defaults() -> None:
             "volumeMounts may not mount",
         ),
         ({"inference": {"acceleratorResource": "nvidia com/gpu"}}, "inference.acceleratorResource: "),
+        # Server-side apply cannot build a patch from such lists (list-map keys): refused before it is tried.
+        (
+            {"inference": {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}},
+            "two env entries share",
+        ),
+        (
+            {"trainer": {"volumes": [{"name": "d", "emptyDir": {}}, {"name": "d", "emptyDir": {}}]}},
+            "two volumes share a name",
+        ),
+        (
+            {
+                "trainer": {
+                    "volumeMounts": [
+                        {"name": "a", "mountPath": "/data"},
+                        {"name": "b", "mountPath": "/data/"},
+                    ]
+                }
+            },
+            "two volumeMounts share a mountPath",
+        ),
+        (
+            {"trainer": {"volumeMounts": [{"name": "x", "mountPath": "/shared/"}]}},
+            "volumeMounts may not mount",
+        ),
+        ({"monitoring": {"trainerMetricsPort": 29500}}, "torchrun's rendezvous port"),
         ({"suspend": "yes please"}, "suspend: "),
         ({"extra": 1}, "extra: unknown field"),
     ],

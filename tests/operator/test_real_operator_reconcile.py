@@ -307,6 +307,22 @@ def test_a_refused_child_is_a_condition_and_retried_never_a_failed_run(run: Run)
     run.until(lambda: run.condition("Reconciled").get("reason") == "Applied", "Reconciled again")
 
 
+def test_a_child_whose_patch_cannot_be_built_is_rejected_and_the_pass_goes_on(run: Run) -> None:
+    """Two spread constraints with the same list-map keys: server-side apply cannot build the trainer Job's
+    patch and answers 500. That is the child's fault, not the server's: the run says so in `Reconciled`,
+    the other children are applied and the status is written (a retried 500 wrote none)."""
+    twice = {"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "ScheduleAnyway"}
+    trainer = {**SPEC["trainer"], "topologySpreadConstraints": [twice, dict(twice)]}
+    run.create({**SPEC, "trainer": trainer})
+    reconciled = run.until(
+        lambda: (c := run.condition("Reconciled")) and c.get("reason") == "ChildRejected" and c,
+        "the unbuildable Job in Reconciled",
+    )
+    assert "Job/exp-trainer" in reconciled["message"] and "500" in reconciled["message"], reconciled
+    assert run.find("job", "exp-orchestrator") is not None
+    assert run.status()["phase"] != "Failed"
+
+
 def test_an_eviction_does_not_fail_the_run_and_a_replacement_pod_starts(run: Run) -> None:
     run.create(SPEC)
     run.wait_running()

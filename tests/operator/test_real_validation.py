@@ -101,6 +101,10 @@ REFUSED_AT_CREATION = {
         "spec.inference.materializeCacheSize in body should match",
     ),
     "top-p-zero": ({"orchestrator": {"sampling": {"topP": 0}}}, "spec.orchestrator.sampling.topP"),
+    "metrics-port-is-torchrun": (
+        {"monitoring": {"trainerMetricsPort": 29500}},
+        "monitoring.trainerMetricsPort 29500 is torchrun's rendezvous port",
+    ),
     "unknown-preset": ({"model": {"preset": "llava"}}, 'spec.model.preset: Unsupported value: "llava"'),
     "unknown-field": ({"trainer": {"stepz": 10}}, 'unknown field "spec.trainer.stepz"'),
 }
