@@ -84,7 +84,11 @@ def test_integer_cache_size_from_yaml_is_kept_as_text(tmp_path: Path) -> None:
         ({"inference": {"urls": ["engine-0:8000"]}}, "inference.urls", "must start with http"),
         ({"inference": {"cache": "2Gi"}}, "inference.cache", "unknown field"),
         ({"orchestrator": {"sampling": {"top_p": 0}}}, "orchestrator.sampling.top_p", "greater than 0"),
-        ({"orchestrator": {"sampling": {"top_p": 0.9}}}, "orchestrator.sampling.top_p", "cannot be trained on"),
+        (
+            {"orchestrator": {"sampling": {"top_p": 0.9}}},
+            "orchestrator.sampling.top_p",
+            "cannot be trained on",
+        ),
         (
             {"orchestrator": {"max_async_level": 0}},
             "orchestrator.max_async_level",

@@ -176,11 +176,15 @@ def _normalized(value: Any, key: str) -> Any:
     return posixpath.normpath(value) if key == "mountPath" and isinstance(value, str) and value else value
 
 
-def _distinct(items: Objects, key: str) -> bool:
-    """No two items share ``key``: server-side apply cannot even build a patch from such a list (list-map
-    keys), and answers with a 500 that would look transient."""
-    values = [_normalized(item.get(key), key) for item in items]
-    return len(values) == len(set(map(repr, values)))
+def _distinct_in(field: str, key: str) -> Callable[[Any], bool]:
+    """Whether no two items of a role's ``field`` share ``key``: server-side apply cannot even build a patch
+    from such a list (its list-map keys), and answers with a 500 that would look transient."""
+
+    def holds(settings: Any) -> bool:
+        values = [repr(_normalized(item.get(key), key)) for item in getattr(settings, field)]
+        return len(values) == len(set(values))
+
+    return holds
 
 
 class PodSettings(SpecModel):
@@ -203,7 +207,7 @@ class PodSettings(SpecModel):
             Rule(
                 cel=None,
                 message=f"two {field} share a {key}",
-                holds=lambda s, f=attr, k=key: _distinct(getattr(s, f), k),
+                holds=_distinct_in(attr, key),
             )
             for field, attr, key in (
                 ("env entries", "env", "name"),
