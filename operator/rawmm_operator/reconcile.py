@@ -114,12 +114,13 @@ def stage_of(spec: RLRunSpec, current: RLRunStatus, stored: RLRunStatus, now: st
     return "finished"
 
 
-def job_suspend(spec: RLRunSpec, manifest: dict[str, Any], live: dict[str, Any]) -> bool:
-    """The `suspend` to apply to an existing Job: the RLRun's when the RLRun's changed since it was last
-    carried over, else whatever the Job has (a queue may have set it)."""
+def job_suspend(manifest: dict[str, Any], live: dict[str, Any]) -> bool:
+    """The `suspend` to apply to an existing Job: the built one when the RLRun's changed since it was last
+    carried over, else whatever the Job has (a queue may have set it). A queued run's Jobs are built
+    suspended, so resuming one leaves them for the queue to admit, as at creation."""
     carried = live.get("metadata", {}).get("annotations", {}).get(RUN_SUSPEND)
     if carried != manifest["metadata"]["annotations"][RUN_SUSPEND]:
-        return spec.suspend
+        return bool(manifest["spec"]["suspend"])
     return bool((live.get("spec") or {}).get("suspend"))
 
 
@@ -263,7 +264,7 @@ class Reconciler:
                     if replacing == "deleted":
                         outcome.actions[child] = "deleted"
                     continue
-                manifest["spec"]["suspend"] = job_suspend(spec, manifest, current)
+                manifest["spec"]["suspend"] = job_suspend(manifest, current)
                 # A precondition: if a queue changed the Job since it was read, the server says 409 (retried).
                 manifest["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
             try:

@@ -17,9 +17,9 @@ RUN = RunRef(name="exp", namespace="ml", uid="u-1")
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:10:00Z"
 
 
-def trainer_job(spec: dict[str, Any]) -> dict[str, Any]:
+def trainer_job(spec: dict[str, Any], run: RunRef = RUN) -> dict[str, Any]:
     (job,) = [
-        m for m in build_children(RUN, parse_spec("exp", spec)) if m["metadata"]["name"] == "exp-trainer"
+        m for m in build_children(run, parse_spec("exp", spec)) if m["metadata"]["name"] == "exp-trainer"
     ]
     return job
 
@@ -44,7 +44,15 @@ def test_a_jobs_suspend_changes_only_when_the_runs_does(
     spec = merged(ISSUE_EXAMPLE, {"suspend": run_suspend})
     manifest = trainer_job(spec)
     assert manifest["metadata"]["annotations"][RUN_SUSPEND] == str(run_suspend).lower()
-    assert job_suspend(parse_spec("exp", spec), manifest, live(carried, live_suspend)) is expected
+    assert job_suspend(manifest, live(carried, live_suspend)) is expected
+
+
+def test_resuming_a_queued_run_leaves_its_jobs_for_the_queue_to_admit() -> None:
+    queued = RunRef(name="exp", namespace="ml", uid="u-1", queue_name="team-a")
+    resumed = trainer_job(merged(ISSUE_EXAMPLE, {"suspend": False}), queued)
+    assert job_suspend(resumed, live("true", True)) is True  # not unsuspended by the operator
+    suspended = trainer_job(merged(ISSUE_EXAMPLE, {"suspend": True}), queued)
+    assert job_suspend(suspended, live("false", False)) is True  # the run's suspend still reaches it
 
 
 def test_stage_follows_the_phase_and_the_ttl() -> None:

@@ -408,6 +408,14 @@ def test_a_queues_suspend_and_admission_are_never_overruled(run: Run) -> None:
     # The run's own suspend still reaches the Jobs.
     run.patch({"suspend": True})
     run.until(lambda: run.get("job", "exp-orchestrator")["spec"]["suspend"] is True, "the run's suspend")
+    # Resumed, a queued run's Jobs wait for the queue's admission again: the operator does not admit them.
+    run.patch({"suspend": False})
+    passes = run.operator.reconciles()
+    run.until(lambda: run.operator.reconciles() >= passes + 3, "three more passes")
+    assert [run.get("job", job)["spec"]["suspend"] for job in ("exp-orchestrator", "exp-trainer")] == [
+        True,
+        True,
+    ]
 
 
 def test_events_are_posted_on_transitions_only(run: Run) -> None:
