@@ -21,6 +21,7 @@ from pydantic.alias_generators import to_camel
 
 import rawmm
 from rawmm.config import (
+    MIN_TEMPERATURE,
     EnvironmentConfig,
     InferenceConfig,
     InferenceSettings,
@@ -163,7 +164,8 @@ TORCHRUN_PORT = 29500
 RESERVED_VOLUMES = frozenset({"shared", "tmp", "dshm", "config"})
 RESERVED_MOUNT_PATHS = frozenset({str(SHARED_MOUNT), "/tmp", "/dev/shm", str(RUN_CONFIG_DIR)})
 # A Kubernetes extended resource name (`nvidia.com/gpu`, `amd.com/gpu`, `nvidia.com/mig-1g.10gb`).
-RESOURCE_NAME_PATTERN = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+# The domain is required: the API server refuses an unprefixed name that is not one of its own (cpu, memory).
+RESOURCE_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 Objects = list[dict[str, Any]]
 
 
@@ -268,6 +270,14 @@ class RetentionSpec(PodSettings, RetentionConfig):
 class OffloadSpec(SpecModel):
     """The run's shared volume: offloaded images, rollout batches and checkpoints."""
 
+    rules = (
+        Rule(
+            cel="quantity(self.size).compareTo(quantity('0')) > 0",
+            message="offload.size must be more than 0",
+            holds=lambda s: parse_byte_size(s.size) > 0,
+        ),
+    )
+
     transition_rules = (
         *(_immutable_optional(field) for field in ("existingClaim", "storageClassName", "accessMode")),
         {
@@ -367,8 +377,22 @@ class EnvironmentSpec(EnvironmentConfig):
     model_config = CAMEL
 
 
-class SamplingSpec(SamplingConfig):
+class SamplingSpec(SpecModel, SamplingConfig):
     model_config = CAMEL
+    # The run config's own checks of these fields (its validators hold the Python side), as CEL: the API
+    # server refuses such an RLRun at creation instead of the operator marking it invalid.
+    rules = (
+        Rule(
+            cel=f"self.temperature == 0.0 || self.temperature >= {MIN_TEMPERATURE}",
+            message=f"sampling.temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}",
+            holds=lambda s: s.temperature == 0.0 or s.temperature >= MIN_TEMPERATURE,
+        ),
+        Rule(
+            cel="self.topP == 1.0",
+            message="sampling.topP must be 1.0: the trainer scores tokens under the full distribution",
+            holds=lambda s: s.top_p == 1.0,
+        ),
+    )
 
 
 class OrchestratorSpec(PodSettings, OrchestratorConfig):

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 # The families' own records decide which presets and backends exist.
 from rawmm.contract.engine_api import MAX_TOKENS_LIMIT, TEMPERATURE_LIMIT, temperature_problem
+from rawmm.contract.engine_api import MIN_TEMPERATURE as MIN_TEMPERATURE  # the RLRun's CEL states it too
 from rawmm.contract.families import Backend as ProcessorBackend
 from rawmm.contract.families import Preset
 from rawmm.contract.shared_dir import SharedDir

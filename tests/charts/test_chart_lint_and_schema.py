@@ -46,6 +46,9 @@ BAD_VALUES = [
     ),
     ({"prometheusRule": {"trainerStalled": {"for": "soon"}}}, "/prometheusRule/trainerStalled/for"),
     ({"runs": {"podMonitor": {"labels": {"release": 3}}}}, "/runs/podMonitor/labels/release"),
+    # Prometheus durations run from the largest unit down, as the PodMonitor CRD's own pattern says.
+    ({"runs": {"podMonitor": {"interval": "30s1m"}}}, "/runs/podMonitor/interval"),
+    ({"metrics": {"serviceMonitor": {"scrapeTimeout": "10ms1s"}}}, "/metrics/serviceMonitor/scrapeTimeout"),
     ({"operatr": {}}, "operatr"),
     ({"operator": {"replicas": 2}}, "replicas"),
 ]

@@ -101,6 +101,16 @@ REFUSED_AT_CREATION = {
         "spec.inference.materializeCacheSize in body should match",
     ),
     "top-p-zero": ({"orchestrator": {"sampling": {"topP": 0}}}, "spec.orchestrator.sampling.topP"),
+    "temperature-vllm-would-raise": (
+        {"orchestrator": {"sampling": {"temperature": 0.001}}},
+        "sampling.temperature must be 0 (greedy) or at least 0.01",
+    ),
+    "nucleus-sampling": ({"orchestrator": {"sampling": {"topP": 0.5}}}, "sampling.topP must be 1.0"),
+    "unprefixed-accelerator": (
+        {"inference": {"acceleratorResource": "gpu"}},
+        "spec.inference.acceleratorResource in body should match",
+    ),
+    "empty-volume": ({"offload": {"size": "0"}}, "offload.size must be more than 0"),
     "metrics-port-is-torchrun": (
         {"monitoring": {"trainerMetricsPort": 29500}},
         "monitoring.trainerMetricsPort 29500 is torchrun's rendezvous port",
