@@ -1,6 +1,7 @@
 """A namespaced install (operator.watchNamespaces) on kube-apiserver: the operator, running as the chart's
 ServiceAccount and watching one namespace, takes a run to Succeeded with no request denied and none outside
-that namespace, and the same account may touch nothing in another namespace."""
+that namespace, and the same account may touch nothing in another namespace. An install without PodMonitors
+reconciles with no request denied too."""
 
 from __future__ import annotations
 
