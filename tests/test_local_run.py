@@ -306,8 +306,18 @@ FAKE_ENGINE = textwrap.dedent(
 
 FAKE_STEPS = textwrap.dedent(
     """
-    import json, os, sys, time
+    import json, os, sys, time, urllib.request
     event, steps, then = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    if len(sys.argv) > 4:  # the orchestrator waits for its engine's /health, as the real one does
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(sys.argv[4], timeout=1).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    sys.exit("the engine never answered")
+                time.sleep(0.05)
     if "FAKE_TOKEN_DIR" in os.environ:
         open(os.path.join(os.environ["FAKE_TOKEN_DIR"], event), "w").write(os.environ.get("RAWMM_WEIGHTS_TOKEN", ""))
     for step in range(1, steps + 1):
@@ -350,6 +360,7 @@ def fake_run(tmp_path):
             "orchestrator_step",
             "2",
             orchestrator_then,
+            f"http://127.0.0.1:{port}/health",
         ]
         runs.append(run)
         return run

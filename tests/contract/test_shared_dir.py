@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rawmm.contract.files import write_atomically
 from rawmm.contract.shared_dir import (
     BatchTimeout,
     CheckpointTimeout,
@@ -86,7 +87,9 @@ def test_a_run_is_there_once_it_wrote_a_batch_or_published_a_checkpoint(tmp_path
 
 def test_waiting_for_a_batch_returns_once_it_lands(shared: SharedDir) -> None:
     shared.rollouts_dir.mkdir(parents=True)
-    writer = threading.Timer(0.1, batch_path(shared.rollouts_dir, 2).write_bytes, args=(b"batch",))
+    # Published as the orchestrator publishes batches (write_batch): whole or not at all. A plain
+    # write_bytes creates the file before its bytes, and the waiter may read it empty in between.
+    writer = threading.Timer(0.1, write_atomically, args=(batch_path(shared.rollouts_dir, 2), b"batch"))
     writer.start()
     try:
         path = wait_for_batch_file(shared.rollouts_dir, 2, timeout_s=30, poll_s=0.01)
