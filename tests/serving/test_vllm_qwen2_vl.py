@@ -16,6 +16,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -268,42 +269,59 @@ def test_a_chat_request_queued_behind_a_weight_update_leaves_vllms_two_caches_in
     sends its hash alone, so the engine core must still hold it after the update. vLLM's pause with
     clear_cache clears the sender cache when the pause starts and the receiver cache when the drain ends:
     this image survived only on the API side, and the next request was a 500 (multimodal cache miss)."""
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import Future, ThreadPoolExecutor
 
     pausing = "setting pause state to PAUSED_NEW"  # vLLM's scheduler, when the engine core pauses
-    pauses = server.log.read_text().count(pausing)
-    conversation = Conversation(server)
-    conversation.user(picture(90, 120, 90), "queued behind a weight update")
     messages = [{"role": "user", "content": "a long answer the update has to wait for"}]
     prompt = server.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     running = {
         "model": str(server.model),
         "messages": messages,
-        # The whole context: the update's wait and the queueing must fit in its decoding (~13 s at the
-        # ~300 tokens/s of a fast 2-core machine; 3000 tokens left too little there).
-        "max_tokens": MAX_MODEL_LEN - len(prompt),
+        "max_tokens": MAX_MODEL_LEN - len(prompt),  # the whole context: ~13 s at ~300 tokens/s
         "ignore_eos": True,
         "stream": True,
     }
-    with (
-        ThreadPoolExecutor(2) as pool,
-        httpx.stream("POST", f"{server.url}/v1/chat/completions", json=running, timeout=300.0) as stream,
-    ):
-        assert stream.status_code == 200
-        lines = stream.iter_lines()  # kept: a closed line iterator closes the connection (an abort)
-        next(line for line in lines if line.startswith("data:"))  # it is generating
-        reload = pool.submit(server.load_weights, server.model)
-        poll(lambda: server.log.read_text().count(pausing) > pauses, "the engine core paused")
-        queued = pool.submit(conversation.native, 4)
 
-        def queued_while_draining() -> bool:
-            running_now, waiting = server.metrics("vllm:num_requests_running", "vllm:num_requests_waiting")
-            assert running_now == 1, "the long request ended before the chat request was queued"
-            return waiting == 1
+    def staged(seed: int) -> tuple[Future[Any], Conversation] | None:
+        """The update waiting for the long request while the chat request waits in the paused engine core;
+        None when the long request ended first (the pause and vLLM's lagging metrics can take most of its
+        decoding on a loaded machine): the scenario was not staged, whatever the feature does."""
+        pauses = server.log.read_text().count(pausing)
+        conversation = Conversation(server)
+        conversation.user(picture(seed, 120, 90), "queued behind a weight update")
+        with (
+            ThreadPoolExecutor(2) as pool,
+            httpx.stream("POST", f"{server.url}/v1/chat/completions", json=running, timeout=300.0) as stream,
+        ):
+            assert stream.status_code == 200
+            lines = stream.iter_lines()  # kept: a closed line iterator closes the connection (an abort)
+            next(line for line in lines if line.startswith("data:"))  # it is generating
+            reload = pool.submit(server.load_weights, server.model)
+            poll(lambda: server.log.read_text().count(pausing) > pauses, "the engine core paused")
+            queued = pool.submit(conversation.native, 4)
+            deadline = time.monotonic() + 60
+            while True:
+                running_now, waiting = server.metrics(
+                    "vllm:num_requests_running", "vllm:num_requests_waiting"
+                )
+                if running_now != 1 or time.monotonic() > deadline:
+                    outcome = None  # the long request ended before the chat request showed as queued
+                    break
+                if waiting == 1:
+                    outcome = (queued, conversation)
+                    break
+                time.sleep(0.05)
+        # The stream closed: vLLM aborts the long request, the drain ends, the reload runs, then the queued one.
+        assert reload.result().status_code == 200, reload.result().text
+        queued.result()
+        return outcome
 
-        poll(queued_while_draining, "the chat request was queued in the paused engine core")
-    # The stream closed: vLLM aborts the long request, the drain ends, the reload runs, then the queued one.
-    assert reload.result().status_code == 200, reload.result().text
+    scenario = None
+    for seed in range(90, 93):  # a fresh image each time: nothing of it cached yet
+        if (scenario := staged(seed)) is not None:
+            break
+    assert scenario is not None, "in 3 attempts the long request always ended before the chat request queued"
+    queued, conversation = scenario
     first = native_tokens(queued.result())
     assert_same(native_tokens(conversation.native(4)), first)  # its image from the receiver cache
     assert_same(raw_tokens(conversation.raw(4)), first)
