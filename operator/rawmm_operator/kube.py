@@ -58,6 +58,10 @@ class ApiError(Exception):
 
     @property
     def transient(self) -> bool:
+        # Server-side apply answers a list it cannot build a patch from (two env entries of one name) with a
+        # 500: the object's fault, not the server's, so no retry will ever pass.
+        if "failed to create typed patch object" in str(self):
+            return False
         return self.status == 0 or self.status == 409 or self.status == 429 or self.status >= 500
 
 

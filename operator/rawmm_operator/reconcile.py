@@ -278,9 +278,7 @@ class Reconciler:
                     # and the status go on; the Job is applied again on the next, soon.
                     outcome.retry_soon = True
                     continue
-                # Server-side apply answers a list the patch cannot be built from (two env entries of one
-                # name) with a 500: the child's fault, not the server's, so no retry will ever pass.
-                if exc.transient and "failed to create typed patch object" not in str(exc):
+                if exc.transient:
                     raise
                 rejected[child] = str(exc)
                 continue

@@ -36,6 +36,7 @@ from rawmm.config import (
     StrictModel,
     TrainerConfig,
     format_validation_error,
+    temperature_problem,
 )
 from rawmm.quantity import BYTE_SIZE_PATTERN, parse_byte_size
 from rawmm_operator.names import child_name, engine_pod
@@ -385,7 +386,7 @@ class SamplingSpec(SpecModel, SamplingConfig):
         Rule(
             cel=f"self.temperature == 0.0 || self.temperature >= {MIN_TEMPERATURE}",
             message=f"sampling.temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}",
-            holds=lambda s: s.temperature == 0.0 or s.temperature >= MIN_TEMPERATURE,
+            holds=lambda s: temperature_problem(s.temperature) is None,
         ),
         Rule(
             cel="self.topP == 1.0",

@@ -14,8 +14,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # The families' own records decide which presets and backends exist.
-from rawmm.contract.engine_api import MAX_TOKENS_LIMIT, TEMPERATURE_LIMIT, temperature_problem
-from rawmm.contract.engine_api import MIN_TEMPERATURE as MIN_TEMPERATURE  # the RLRun's CEL states it too
+from rawmm.contract.engine_api import MAX_TOKENS_LIMIT, TEMPERATURE_LIMIT
+
+# Re-exported for the RLRun's CEL copy of the check (the operator imports the run config, not the contract).
+from rawmm.contract.engine_api import MIN_TEMPERATURE as MIN_TEMPERATURE
+from rawmm.contract.engine_api import temperature_problem as temperature_problem
 from rawmm.contract.families import Backend as ProcessorBackend
 from rawmm.contract.families import Preset
 from rawmm.contract.shared_dir import SharedDir
