@@ -91,7 +91,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from rawmm.contract import resolve_preset
-    from rawmm.tiny import build_tiny_model
+    from rawmm.run.tiny import build_tiny_model
 
     _, preset = resolve_preset("qwen2_vl")
     family = get_family("qwen_vl")

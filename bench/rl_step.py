@@ -94,11 +94,11 @@ def replay_trainer(config_path: Path) -> dict:
     from rawmm.contract.shared_dir import written_steps
     from rawmm.materialize import load_processor
     from rawmm.rl.batches import read_batch
-    from rawmm.rl.forward import forward_logprobs
-    from rawmm.rl.materializer import RawImageMaterializer
-    from rawmm.rl.packing import pack_samples
     from rawmm.rl.samples import truncate_sample
+    from rawmm.rl.trainer.forward import forward_logprobs
     from rawmm.rl.trainer.loss import policy_gradient_loss
+    from rawmm.rl.trainer.materializer import RawImageMaterializer
+    from rawmm.rl.trainer.packing import pack_samples
 
     config = RunConfig.from_yaml(config_path)
     loaded = load_processor(config.model.path, backend=config.model.processor_backend)
@@ -248,7 +248,7 @@ MEMORY_ROLLOUTS = {"refs": 256, "inline": 8}
 
 
 def memory_figures(work: Path) -> dict:
-    from rawmm.tiny import build_tiny_model
+    from rawmm.run.tiny import build_tiny_model
 
     # The preset's own max_pixels, so a 1280x720 screenshot keeps its real size (1288x728 after resize).
     model = build_tiny_model("qwen2_vl", work / "tiny-qwen2_vl-fullres", max_pixels=12845056)

@@ -122,7 +122,7 @@ def time_materialization(loaded, roots, micro_batches, repeats: int) -> dict[boo
     """dedupe on/off -> (image refs, images materialized, fastest seconds) for one step's micro-batches.
 
     The two variants alternate within each repeat so that load from other processes hits both alike."""
-    from rawmm.rl.materializer import RawImageMaterializer
+    from rawmm.rl.trainer.materializer import RawImageMaterializer
 
     materializers = {
         dedupe: RawImageMaterializer(loaded, roots=roots, missing_image_policy="error", dedupe=dedupe)
@@ -153,11 +153,11 @@ def main() -> None:
 
     from rawmm.config import RunConfig
     from rawmm.materialize import load_processor
-    from rawmm.rl.packing import pack_samples
     from rawmm.rl.samples import RolloutBatch, truncate_sample
     from rawmm.rl.trainer.distributed import init_distributed
     from rawmm.rl.trainer.loop import Trainer
-    from rawmm.tiny import build_tiny_model
+    from rawmm.rl.trainer.packing import pack_samples
+    from rawmm.run.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="rawmm-bench-") as tmp:
         model = build_tiny_model("qwen2_vl", Path(tmp) / "tiny-qwen2-vl")

@@ -39,7 +39,7 @@ def widened_model(out: Path, width: int, layers: int) -> Path:
     import torch
     from transformers import AutoConfig, Qwen2VLForConditionalGeneration
 
-    from rawmm.tiny import build_tiny_model
+    from rawmm.run.tiny import build_tiny_model
 
     tiny = build_tiny_model("qwen2_vl", out, seed=0)
     config = AutoConfig.from_pretrained(tiny)
@@ -165,7 +165,7 @@ def episode_samples(work: Path, episodes: int, turns: int) -> tuple[Path, list, 
     from rawmm.contract import OffloadStore, render_chat
     from rawmm.materialize import load_processor
     from rawmm.rl.samples import Sample, build_mm_refs
-    from rawmm.tiny import build_tiny_model
+    from rawmm.run.tiny import build_tiny_model
 
     # The preset's own max_pixels, so a 1280x720 screenshot keeps its real size (1288x728 after resize).
     model = build_tiny_model("qwen2_vl", work / "fullres", max_pixels=12845056)
@@ -208,8 +208,8 @@ def image_memory(work: Path, episodes: int, turns: int, micro_batch_tokens: int)
 
     from rawmm.contract import RawImageDescriptor
     from rawmm.materialize import get_adapter, load_processor, read_ref_image
-    from rawmm.rl.materializer import RawImageMaterializer
-    from rawmm.rl.packing import pack_samples
+    from rawmm.rl.trainer.materializer import RawImageMaterializer
+    from rawmm.rl.trainer.packing import pack_samples
 
     model, samples, root = episode_samples(work, episodes, turns)
     loaded = load_processor(model)

@@ -21,7 +21,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 from rawmm.contract import OffloadStore, detect_family, get_family, parse_ref, render_chat
-from rawmm.tiny import build_tiny_model
+from rawmm.run.tiny import build_tiny_model
 
 
 def drawing(size: tuple[int, int], colour: str, shape: str) -> Image.Image:

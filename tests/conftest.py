@@ -20,7 +20,7 @@ pytest_plugins = ["terminate"]
 @pytest.fixture(scope="session")
 def tiny_qwen2_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight Qwen2-VL checkpoint directory (seed 0, default tiny max_pixels)."""
-    from rawmm.tiny import build_tiny_model
+    from rawmm.run.tiny import build_tiny_model
 
     return build_tiny_model("qwen2_vl", tmp_path_factory.mktemp("tiny") / "qwen2_vl", seed=0)
 
@@ -28,7 +28,7 @@ def tiny_qwen2_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight Qwen3-VL checkpoint directory (seed 0, default tiny max_pixels)."""
-    from rawmm.tiny import build_tiny_model
+    from rawmm.run.tiny import build_tiny_model
 
     return build_tiny_model("qwen3_vl", tmp_path_factory.mktemp("tiny") / "qwen3_vl", seed=0)
 

@@ -13,7 +13,8 @@ REPO = Path(__file__).resolve().parents[1]
 DOC = (REPO / "docs" / "architecture.md").read_text()
 # The modules that define the exported metrics of the engine, trainer, orchestrator and operator.
 METRIC_MODULES = [
-    "src/rawmm/metrics.py",
+    "src/rawmm/materialize/metrics.py",
+    "src/rawmm/serving/metrics.py",
     "src/rawmm/rl/orchestrator/metrics.py",
     "src/rawmm/rl/trainer/metrics.py",
     "src/rawmm/rl/retention/metrics.py",

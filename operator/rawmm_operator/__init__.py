@@ -1,4 +1,4 @@
 """The rawmm Kubernetes operator: RLRun custom resources -> engines, orchestrator and trainer.
 
-Imports only `rawmm.config` (and `rawmm.quantity`) from rawmm: never engine or trainer code.
+Imports only the `rawmm.config` package from rawmm: never engine or trainer code.
 """

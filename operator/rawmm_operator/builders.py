@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rawmm.config import RunConfig
-from rawmm.quantity import parse_byte_size
-from rawmm.serve_argv import serve_argv
+from rawmm.config.quantity import parse_byte_size
+from rawmm.config.serve_argv import serve_argv
 from rawmm_operator.names import child_name
 from rawmm_operator.spec import (
     API_GROUP,

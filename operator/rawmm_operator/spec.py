@@ -38,7 +38,7 @@ from rawmm.config import (
     format_validation_error,
     temperature_problem,
 )
-from rawmm.quantity import BYTE_SIZE_PATTERN, parse_byte_size
+from rawmm.config.quantity import BYTE_SIZE_PATTERN, parse_byte_size
 from rawmm_operator.names import child_name, engine_pod
 
 API_GROUP = "rawmm.dev"

@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rawmm.commands import CliError
+
 
 @dataclass(frozen=True)
 class Command:
@@ -60,10 +62,6 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-class CliError(Exception):
-    """An error the CLI reports as one line and a non-zero exit."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rawmm", description="multimodal RL with raw image offload")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -103,8 +101,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Under `python -m rawmm.cli` this module is `__main__`; commands raise the CliError of `rawmm.cli`,
-    # so dispatch through that module or its errors would surface as tracebacks.
-    from rawmm.cli import main as entry
-
-    sys.exit(entry())
+    sys.exit(main())

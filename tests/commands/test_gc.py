@@ -16,8 +16,9 @@ from ports import free_port
 from retention_kit import aged_images, blocked_on, checkpoint, poll, write_step
 
 from rawmm.cli import main
-from rawmm.config import RunConfig, SharedDir
+from rawmm.config import RunConfig
 from rawmm.contract import OffloadStore, StoredImage
+from rawmm.contract.shared_dir import SharedDir
 from rawmm.contract.store import GC_LOCK_NAME, directory_lock, stored_sha
 from rawmm.materialize import LoadedProcessor
 

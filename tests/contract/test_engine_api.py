@@ -18,6 +18,7 @@ from rawmm.contract.engine_api import (
     GenerateResponse,
     Sampling,
 )
+from rawmm.contract.weights_token import WEIGHTS_TOKEN_ENV
 from rawmm.materialize import LoadedProcessor, load_processor
 from rawmm.materialize.cache import MaterializeCache
 from rawmm.rl.orchestrator.engine_client import EngineClient, InvalidRefError, RequestRejected, RetryPolicy
@@ -26,7 +27,6 @@ from rawmm.serving.engine import Engine, Generation, ImageInput
 from rawmm.serving.guard import WeightsGuard
 from rawmm.serving.images import RequestImages
 from rawmm.serving.routes import create_app
-from rawmm.weights_token import WEIGHTS_TOKEN_ENV
 
 URL = "http://engine"
 TOKEN = "s3cret"

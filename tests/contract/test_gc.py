@@ -15,8 +15,8 @@ from retention_kit import HOUR, age, blocked_on, png, poll
 
 from rawmm.contract import OffloadStore
 from rawmm.contract.gc import STALE_TEMP_AGE_S, collect
+from rawmm.contract.retention_bounds import MIN_OLDER_THAN_S, REUSE_UNLOCKED_AGE_S
 from rawmm.contract.store import GC_LOCK_NAME, StoredImage, directory_lock
-from rawmm.retention_bounds import MIN_OLDER_THAN_S, REUSE_UNLOCKED_AGE_S
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:

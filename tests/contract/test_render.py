@@ -232,7 +232,7 @@ KIMI_TEMPLATE = (
 
 
 def kimi_like_tokenizer() -> Any:
-    from rawmm.tiny import build_tokenizer
+    from rawmm.run.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     extra = ["<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>", "<|im_user|>"]

@@ -20,14 +20,16 @@ def exported_metric_names() -> set[str]:
     from prometheus_client import CollectorRegistry
     from prometheus_client.metrics import MetricWrapperBase
 
-    from rawmm import metrics as shared_metrics
+    from rawmm.materialize import metrics as materialize_metrics
     from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
     from rawmm.rl.retention import metrics as retention_metrics
     from rawmm.rl.trainer import metrics as trainer_metrics
+    from rawmm.serving import metrics as engine_metrics
     from rawmm_operator import metrics as operator_metrics
 
     owners = (
-        shared_metrics,
+        materialize_metrics,
+        engine_metrics,
         trainer_metrics,
         retention_metrics,
         operator_metrics,

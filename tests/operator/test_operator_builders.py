@@ -8,8 +8,8 @@ import yaml
 from operator_samples import CPU_ONLY, EXISTING_CLAIM, ISSUE_EXAMPLE, MULTI_GPU, MULTI_NODE, SPECS, merged
 
 from rawmm.config import RunConfig
-from rawmm.quantity import parse_byte_size
-from rawmm.serve_argv import serve_argv
+from rawmm.config.quantity import parse_byte_size
+from rawmm.config.serve_argv import serve_argv
 from rawmm_operator.builders import (
     RUN_LABEL,
     TEMPLATE_HASH,

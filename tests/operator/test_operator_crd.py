@@ -14,7 +14,7 @@ import pytest
 import yaml
 from operator_samples import SPECS, apply_schema_defaults, merged, rlrun
 
-from rawmm.quantity import parse_byte_size
+from rawmm.config.quantity import parse_byte_size
 from rawmm_operator.crd import crd_manifest, crd_yaml, spec_schema
 from rawmm_operator.spec import InferenceSpec, parse_spec, run_name_problem
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from rawmm.contract.weights_token import WEIGHTS_TOKEN_ENV, auth_headers, new_token
 from rawmm.serving.guard import WEIGHTS_DISABLED, WeightsGuard, WeightsRefused
-from rawmm.weights_token import WEIGHTS_TOKEN_ENV, auth_headers, new_token
 
 
 def refusal(call, *args) -> tuple[int, str]:

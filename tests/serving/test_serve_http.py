@@ -185,7 +185,7 @@ def test_impossible_prompts_and_bodies_are_4xx_invalid_request_with_a_reason(ser
 def test_weight_updates_advance_the_version_and_each_response_reports_its_weights(
     server: Server, tmp_path: Path
 ) -> None:
-    from rawmm.tiny import build_tiny_model
+    from rawmm.run.tiny import build_tiny_model
 
     other = build_tiny_model("qwen2_vl", server.weights_root / "seed1", seed=1)
     token_ids, features = server.render([user(picture(80), "again")])

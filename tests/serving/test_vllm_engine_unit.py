@@ -70,7 +70,7 @@ def engine_for(client: ScriptedClient, model: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def other_seed(tiny_qwen2_vl: Path) -> Path:
-    from rawmm.tiny import build_tiny_model
+    from rawmm.run.tiny import build_tiny_model
 
     return build_tiny_model("qwen2_vl", tiny_qwen2_vl.parent / "seed1", seed=1)
 
@@ -259,7 +259,7 @@ async def one_image(engine: Any, tmp_path: Path) -> tuple[list[int], list[Any]]:
 async def test_a_drifted_receiver_cache_is_resent_once_with_the_data(
     tiny_qwen2_vl: Path, tmp_path: Path
 ) -> None:
-    from rawmm import metrics
+    from rawmm.serving import metrics
 
     client = CachingClient(tiny_qwen2_vl, cache_gb=0.01)
     engine = engine_for(client, tiny_qwen2_vl)
@@ -318,7 +318,7 @@ async def test_a_request_cancelled_while_its_items_pass_the_sender_cache_still_r
 ) -> None:
     """The sender cache (P0) takes the items of a request cancelled midway as sent: the engine core's receiver
     cache (P1) must take them too, or the next request's hashes miss there."""
-    from rawmm import metrics
+    from rawmm.serving import metrics
 
     staged = await cancelled_in_sender_cache(tiny_qwen2_vl, tmp_path)
     client = staged.client

@@ -34,7 +34,7 @@ BACKEND = "torchvision"  # the backend vLLM's own Qwen-VL processor runs (transf
 def tiny(preset: str, out: Path, seed: int = 0) -> Path:
     """A tiny checkpoint vLLM's attention takes: head_dim 32 on CPU, 128 with ``RAWMM_TINY_GPU_SHAPE=1``
     (bench/gpu_check.sh, for GPU attention kernels)."""
-    from rawmm.tiny import build_tiny_model
+    from rawmm.run.tiny import build_tiny_model
 
     return build_tiny_model(preset, out, seed=seed, gpu_shape=os.environ.get("RAWMM_TINY_GPU_SHAPE") == "1")
 

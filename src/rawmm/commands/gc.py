@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rawmm.cli import CliError
+from rawmm.commands import CliError
 from rawmm.commands.run_config import load_run_config
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ import argparse
 import json
 import re
 
-from rawmm.cli import CliError
+from rawmm.commands import CliError
 from rawmm.commands.ingest import add_model_arguments, resolve_model
 
 _SIZE_RE = re.compile(r"([1-9][0-9]*)x([1-9][0-9]*)")

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rawmm.cli import CliError
+from rawmm.commands import CliError
 
 CRD_FILE = "rlruns.rawmm.dev.yaml"
 

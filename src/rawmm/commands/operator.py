@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from rawmm.cli import CliError
+from rawmm.commands import CliError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

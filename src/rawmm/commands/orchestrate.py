@@ -7,7 +7,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from rawmm.cli import CliError
+from rawmm.commands import CliError
 from rawmm.commands.run_config import load_run_config, steps_to_run
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rawmm.cli import CliError
+from rawmm.commands import CliError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 from types import FrameType
 
-from rawmm.cli import CliError
+from rawmm.commands import CliError
 from rawmm.commands.run_config import load_run_config
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rawmm.cli import CliError
+from rawmm.commands import CliError
 
 if TYPE_CHECKING:
     from rawmm.config import RunConfig

@@ -9,8 +9,8 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, get_args
 
-from rawmm.cli import CliError
-from rawmm.weights_token import WEIGHTS_TOKEN_ENV
+from rawmm.commands import CliError
+from rawmm.contract.weights_token import WEIGHTS_TOKEN_ENV
 
 if TYPE_CHECKING:
     from rawmm.materialize import LoadedProcessor
@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rawmm.quantity import parse_byte_size
+    from rawmm.config.quantity import parse_byte_size
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_model(model: str) -> None:
-    from rawmm.model_path import model_path_problem
+    from rawmm.config.model_path import model_path_problem
 
     if (problem := model_path_problem(model)) is not None:
         raise CliError(f"--model {model}: {problem}")

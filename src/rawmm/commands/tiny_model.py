@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rawmm.cli import CliError
+from rawmm.commands import CliError
 
-PRESETS = ("qwen2_vl", "qwen3_vl")  # rawmm.tiny.TINY_PRESETS, without importing transformers for --help
+PRESETS = ("qwen2_vl", "qwen3_vl")  # rawmm.run.tiny.TINY_PRESETS, without importing transformers for --help
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rawmm.tiny import build_tiny_model
+    from rawmm.run.tiny import build_tiny_model
 
     try:
         out = build_tiny_model(

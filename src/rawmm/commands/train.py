@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from rawmm.cli import CliError
+from rawmm.commands import CliError
 from rawmm.commands.run_config import load_run_config, steps_to_run
 
 
@@ -34,9 +34,9 @@ def run(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
     from rawmm.contract.shared_dir import BatchTimeout
-    from rawmm.rl.materializer import MissingImageError
     from rawmm.rl.trainer.distributed import init_distributed, shutdown_distributed
     from rawmm.rl.trainer.loop import Trainer, step_log_line
+    from rawmm.rl.trainer.materializer import MissingImageError
     from rawmm.rl.trainer.train_state import MissingTrainState
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")

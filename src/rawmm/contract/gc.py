@@ -38,8 +38,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rawmm.contract.retention_bounds import check_older_than
 from rawmm.contract.store import directory_lock, is_temp_name, stored_sha
-from rawmm.retention_bounds import check_older_than
 
 STALE_TEMP_AGE_S = 3600.0
 _FANOUT_RE = re.compile(r"[0-9a-f]{2}")

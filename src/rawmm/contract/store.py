@@ -31,7 +31,7 @@ from rawmm.contract.errors import ImageIngestError, InvalidImageRef
 from rawmm.contract.files import temp_target, write_atomically
 from rawmm.contract.formats import DeniedImageFormat, open_allowed
 from rawmm.contract.refs import check_mm_hash
-from rawmm.retention_bounds import REUSE_UNLOCKED_AGE_S
+from rawmm.contract.retention_bounds import REUSE_UNLOCKED_AGE_S
 
 MM_HASH_CHARS = 32
 _FILE_SCHEME = "file://"

@@ -25,7 +25,7 @@ _EXPORTS: dict[str, str] = {
     "get_adapter": "rawmm.materialize.adapters",
     "load_processor": "rawmm.materialize.processor",
     "materialize_engine_item": "rawmm.materialize.engine",
-    "parse_byte_size": "rawmm.quantity",
+    "parse_byte_size": "rawmm.config.quantity",
     "qwen_image_processor": "rawmm.materialize.processor",
     "read_ref_image": "rawmm.materialize.read",
 }
@@ -51,6 +51,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from rawmm.config.quantity import parse_byte_size
     from rawmm.materialize.adapters import FamilyAdapter, get_adapter
     from rawmm.materialize.cache import MaterializeCache, cache_key
     from rawmm.materialize.decode import DEFAULT_MAX_IMAGE_PIXELS
@@ -59,7 +60,6 @@ if TYPE_CHECKING:
     from rawmm.materialize.kimi import KimiK25ImageProcessor
     from rawmm.materialize.processor import LoadedProcessor, load_processor, qwen_image_processor
     from rawmm.materialize.read import read_ref_image
-    from rawmm.quantity import parse_byte_size
 
 
 def __getattr__(name: str) -> Any:

@@ -43,7 +43,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from rawmm import metrics
+from rawmm.materialize import metrics
 from rawmm.materialize.workers import run_on_miss_thread
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from rawmm import metrics
 from rawmm.contract import RawImageRef
+from rawmm.materialize import metrics
 from rawmm.materialize.adapters import get_adapter
 from rawmm.materialize.items import EngineItem
 from rawmm.materialize.processor import LoadedProcessor

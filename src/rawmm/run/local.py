@@ -27,13 +27,13 @@ import httpx
 from rich.console import Console
 from rich.live import Live
 
+from rawmm.config.serve_argv import serve_argv
+from rawmm.contract.weights_token import WEIGHTS_TOKEN_ENV, new_token
 from rawmm.run.plan import LocalRunPlan
 from rawmm.run.processes import ChildProcess, Watchdog, rawmm_argv, stop_all
 from rawmm.run.progress import render, step_line
 from rawmm.run.scrape import health_version, scrape
 from rawmm.run.state import RunState
-from rawmm.serve_argv import serve_argv
-from rawmm.weights_token import WEIGHTS_TOKEN_ENV, new_token
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class LocalRun:
         plan.output_dir.mkdir(parents=True, exist_ok=True)
         plan.logs_dir.mkdir(exist_ok=True)
         if plan.tiny_preset is not None and not Path(plan.config.model.path).exists():
-            from rawmm.tiny import build_tiny_model
+            from rawmm.run.tiny import build_tiny_model
 
             self.console.print(f"building the tiny {plan.tiny_preset} checkpoint at {plan.config.model.path}")
             build_tiny_model(plan.tiny_preset, Path(plan.config.model.path))

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rawmm.config import RunConfig
+from rawmm.config.model_path import model_path_problem
 from rawmm.contract.shared_dir import SharedDir
-from rawmm.model_path import model_path_problem
 
 TINY_PREFIX = "tiny:"
 
@@ -115,7 +115,7 @@ def _model_path(config: RunConfig, output_dir: Path) -> tuple[Path | str, str | 
             raise PlanError(f"model.path {path}: {problem}")
         local = Path(path).expanduser()
         return (local.resolve(), None) if local.exists() else (path, None)
-    from rawmm.tiny import TINY_PRESETS
+    from rawmm.run.tiny import TINY_PRESETS
 
     preset = path.removeprefix(TINY_PREFIX)
     if preset not in TINY_PRESETS:

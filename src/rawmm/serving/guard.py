@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rawmm.contract.store import path_problem
-from rawmm.weights_token import WEIGHTS_TOKEN_ENV
+from rawmm.contract.weights_token import WEIGHTS_TOKEN_ENV
 
 _BEARER = "bearer "
 

@@ -31,7 +31,6 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from rawmm import metrics
 from rawmm.contract import InvalidImageRef
 from rawmm.contract.engine_api import (
     GENERATE_PATH,
@@ -46,6 +45,8 @@ from rawmm.contract.engine_api import (
     WeightsRequest,
     WeightsResponse,
 )
+from rawmm.materialize import metrics as materialize_metrics
+from rawmm.serving import metrics
 from rawmm.serving.engine import Engine, EngineUnavailable, InvalidRequest
 from rawmm.serving.guard import WEIGHTS_DISABLED, WeightsGuard, WeightsRefused
 from rawmm.serving.images import RequestImages
@@ -99,7 +100,7 @@ async def _parse_body(request: Request, model: type[BaseModel]) -> Any:
 
 
 def invalid_ref_response(exc: InvalidImageRef) -> JSONResponse:
-    metrics.INVALID_MM_IMAGE_REF.labels(reason=exc.reason).inc()
+    materialize_metrics.INVALID_MM_IMAGE_REF.labels(reason=exc.reason).inc()
     return _error(400, "invalid_mm_image_ref", exc.reason, exc.message)
 
 

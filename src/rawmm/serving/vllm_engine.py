@@ -47,9 +47,9 @@ from vllm.multimodal.inputs import (
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from rawmm import metrics
 from rawmm.contract.engine_api import Sampling
 from rawmm.materialize import EngineItem, FieldKind, LoadedProcessor, get_adapter
+from rawmm.serving import metrics
 from rawmm.serving.engine import Engine, EngineUnavailable, Generation, ImageInput, InvalidRequest
 
 log = logging.getLogger(__name__)

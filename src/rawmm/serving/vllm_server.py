@@ -135,7 +135,7 @@ async def serve_vllm(
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
 
-    from rawmm import metrics
+    from rawmm.serving import metrics
     from rawmm.serving.vllm_engine import VllmEngine
 
     listen_address, sock = setup_server(args, reuse_port=False)

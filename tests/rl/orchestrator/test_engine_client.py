@@ -114,7 +114,7 @@ def test_backoff_grows_exponentially_and_is_capped():
 
 
 async def test_weight_updates_carry_the_run_token_and_generations_do_not(monkeypatch):
-    from rawmm.weights_token import WEIGHTS_TOKEN_ENV
+    from rawmm.contract.weights_token import WEIGHTS_TOKEN_ENV
 
     seen: dict[str, str | None] = {}
 

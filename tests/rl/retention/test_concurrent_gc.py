@@ -18,9 +18,9 @@ from rawmm.contract import InvalidImageRef, OffloadStore
 from rawmm.contract.shared_dir import SharedDir
 from rawmm.materialize import LoadedProcessor
 from rawmm.rl.batches import read_batch
-from rawmm.rl.materializer import RawImageMaterializer
-from rawmm.rl.packing import pack_samples
 from rawmm.rl.retention.watch import run_pass
+from rawmm.rl.trainer.materializer import RawImageMaterializer
+from rawmm.rl.trainer.packing import pack_samples
 
 REUSES = 400
 STEPS = range(4, 8)

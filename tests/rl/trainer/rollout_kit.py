@@ -16,10 +16,10 @@ from PIL import Image
 from rawmm.config import RunConfig
 from rawmm.contract import OffloadStore, RawImageDescriptor
 from rawmm.rl.batches import write_batch
-from rawmm.rl.forward import forward_logprobs
 from rawmm.rl.orchestrator.rollout import PromptRenderer
-from rawmm.rl.packing import concat_samples
 from rawmm.rl.samples import RolloutBatch, Sample, build_mm_refs
+from rawmm.rl.trainer.forward import forward_logprobs
+from rawmm.rl.trainer.packing import concat_samples
 
 
 def random_image(width: int, height: int, seed: int) -> Image.Image:

@@ -11,9 +11,9 @@ from rollout_kit import torchrun_train
 from safetensors.torch import load_file
 
 from rawmm.contract.shared_dir import checkpoint_dir
-from rawmm.rl.packing import pack_samples
 from rawmm.rl.trainer.distributed import init_distributed
 from rawmm.rl.trainer.loop import Trainer
+from rawmm.rl.trainer.packing import pack_samples
 
 TEXT_ONLY = ((" hello there", 1.0), (" bye now", -1.0), (" what", 0.5))
 

@@ -26,11 +26,11 @@ from safetensors.torch import load_file
 from rawmm.config import RunConfig
 from rawmm.contract.shared_dir import checkpoint_dir, latest_step, train_state_dir
 from rawmm.materialize import load_processor
-from rawmm.rl.packing import pack_samples
 from rawmm.rl.samples import truncate_sample
 from rawmm.rl.trainer.distributed import init_distributed
 from rawmm.rl.trainer.lockstep import rank_slots
 from rawmm.rl.trainer.loop import Trainer
+from rawmm.rl.trainer.packing import pack_samples
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # four torchrun launches, once per module
 SEQ = 64

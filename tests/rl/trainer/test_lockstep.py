@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rawmm.rl.forward import forward_logprobs
-from rawmm.rl.materializer import RawImageMaterializer
-from rawmm.rl.packing import pack_samples
+from rawmm.rl.trainer.forward import forward_logprobs
 from rawmm.rl.trainer.lockstep import append_filler, rank_slots
+from rawmm.rl.trainer.materializer import RawImageMaterializer
+from rawmm.rl.trainer.packing import pack_samples
 
 
 @pytest.fixture

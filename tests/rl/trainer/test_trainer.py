@@ -9,9 +9,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from rawmm.contract.shared_dir import checkpoint_dir, latest_step
-from rawmm.rl.materializer import MissingImageError
 from rawmm.rl.trainer.distributed import init_distributed
 from rawmm.rl.trainer.loop import Trainer
+from rawmm.rl.trainer.materializer import MissingImageError
 
 
 def metric(name: str, **labels: str) -> float:

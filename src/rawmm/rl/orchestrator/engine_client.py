@@ -4,7 +4,7 @@
   attempt `ReplicaUnavailable` (the pool then fails over to another replica).
 - 400 `invalid_mm_image_ref`: `InvalidRefError` at once. The ref will not get better by asking again.
 - Any other 4xx: `RequestRejected` at once.
-Weight updates carry `Authorization: Bearer $RAWMM_WEIGHTS_TOKEN` (rawmm.weights_token).
+Weight updates carry `Authorization: Bearer $RAWMM_WEIGHTS_TOKEN` (rawmm.contract.weights_token).
 Every failed attempt is counted in `rawmm_engine_request_errors_total{kind}` and logged.
 Requests, responses and error bodies are the server's own models (`rawmm.contract.engine_api`).
 """
@@ -30,8 +30,8 @@ from rawmm.contract.engine_api import (
     WeightsRequest,
     WeightsResponse,
 )
+from rawmm.contract.weights_token import auth_headers
 from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
-from rawmm.weights_token import auth_headers
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, replace
 import msgspec
 import torch
 
-from rawmm.rl.materializer import MaterializedMicroBatch
-from rawmm.rl.packing import PackedMicroBatch, concat_samples
 from rawmm.rl.samples import MMImageRef, Sample
+from rawmm.rl.trainer.materializer import MaterializedMicroBatch
+from rawmm.rl.trainer.packing import PackedMicroBatch, concat_samples
 
 
 @dataclass(frozen=True)

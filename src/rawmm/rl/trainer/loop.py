@@ -11,21 +11,21 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from rawmm import metrics as shared_metrics
 from rawmm.config import RunConfig
 from rawmm.contract.shared_dir import latest_step, train_state_dir
 from rawmm.materialize import load_processor
+from rawmm.materialize import metrics as shared_metrics
 from rawmm.rl.batches import wait_for_batch
-from rawmm.rl.forward import forward_logprobs, sample_starts
-from rawmm.rl.materializer import MaterializedMicroBatch, RawImageMaterializer
-from rawmm.rl.packing import pack_samples
 from rawmm.rl.samples import RolloutBatch, truncate_sample
 from rawmm.rl.trainer import metrics
 from rawmm.rl.trainer.checkpoint import resolve_model_dir, save_checkpoint
 from rawmm.rl.trainer.distributed import DistContext, all_reduce_gradients, all_reduce_sum
+from rawmm.rl.trainer.forward import forward_logprobs, sample_starts
 from rawmm.rl.trainer.fsdp import load_from_rank0, meta_model, shard_model
 from rawmm.rl.trainer.lockstep import Slot, append_filler, rank_slots
 from rawmm.rl.trainer.loss import policy_gradient_loss
+from rawmm.rl.trainer.materializer import MaterializedMicroBatch, RawImageMaterializer
+from rawmm.rl.trainer.packing import pack_samples
 from rawmm.rl.trainer.train_state import load_train_state
 
 

@@ -1,5 +1,5 @@
 """The trainer's own Prometheus metrics (docs/architecture.md §8). Images materialized and time in
-materialization are the shared `rawmm.metrics` series with `side="trainer"`."""
+materialization are the shared `rawmm.materialize.metrics` series with `side="trainer"`."""
 
 from __future__ import annotations
 

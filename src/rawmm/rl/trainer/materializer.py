@@ -28,7 +28,6 @@ from typing import get_args
 import numpy as np
 import torch
 
-from rawmm import metrics
 from rawmm.config import MissingImagePolicy
 from rawmm.contract import InvalidImageRef, RawImageDescriptor
 from rawmm.materialize import (
@@ -36,12 +35,13 @@ from rawmm.materialize import (
     ForwardPolicy,
     LoadedProcessor,
     get_adapter,
+    metrics,
     read_ref_image,
 )
 from rawmm.materialize.normalize import PixelNormalizer
 from rawmm.materialize.read import RgbPixels
-from rawmm.rl.packing import PackedMicroBatch
 from rawmm.rl.samples import MMImageRef
+from rawmm.rl.trainer.packing import PackedMicroBatch
 
 # Reasons that mean "this image's bytes are gone or damaged": the policy decides. Every other reason
 # (wrong root, fingerprint or grid mismatch, malformed ref) is a run misconfiguration and always raises.

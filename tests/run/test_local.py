@@ -23,10 +23,10 @@ from ports import free_port
 
 from rawmm.cli import main
 from rawmm.config import RunConfig
+from rawmm.config.serve_argv import serve_argv
 from rawmm.run import LocalRun, LocalRunFailed, PlanError, plan_local_run
 from rawmm.run.processes import rawmm_argv
 from rawmm.run.state import SUMMARY_KEYS
-from rawmm.serve_argv import serve_argv
 
 BASE = {
     "name": "t",
@@ -79,7 +79,7 @@ def test_plan_resolves_paths_ports_and_the_tiny_model(tmp_path):
 
 
 def test_local_engines_run_the_command_line_the_operator_gives_its_pods(tmp_path):
-    """One builder for both (`rawmm.serve_argv`): a local replica differs from a pod only in its address."""
+    """One builder for both (`rawmm.config.serve_argv`): a local replica differs from a pod only in its address."""
     port = free_port(2)
     plan = plan_local_run(
         config(inference__base_port=port, inference__replicas=2, inference__materialize_cache_size="64Mi"),
@@ -524,12 +524,12 @@ def test_sigkill_of_rawmm_run_stops_every_child_and_a_rerun_finds_its_port_free(
 
 # --- end to end on the tiny model (real engine, orchestrator and trainer processes) ---------------------
 
-ENVS_DIR = Path(__file__).parent / "rl" / "envs"
+ENVS_DIR = Path(__file__).parents[1] / "rl" / "envs"
 
 
 def e2e_config(model: Path, **overrides) -> RunConfig:
     """The demo config, shrunk to the least work that still shows every behaviour (2 shared cores)."""
-    data = yaml.safe_load((Path(__file__).parents[1] / "examples" / "local-tiny.yaml").read_text())
+    data = yaml.safe_load((Path(__file__).parents[2] / "examples" / "local-tiny.yaml").read_text())
     data["model"]["path"] = str(model)
     data["inference"]["base_port"] = free_port()
     small = {"prompts_per_step": 1, "rollouts_per_prompt": 2, "max_turns": 2, "max_tokens": 4}

@@ -9,7 +9,7 @@ import pytest
 
 from rawmm.commands import serve
 from rawmm.config import RunConfig
-from rawmm.serve_argv import serve_argv
+from rawmm.config.serve_argv import serve_argv
 
 VLLM = {
     "name": "r",

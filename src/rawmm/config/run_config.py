@@ -13,6 +13,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rawmm.config.duration import DURATION_PATTERN, parse_duration
+from rawmm.config.quantity import BYTE_SIZE_PATTERN, parse_byte_size
+
 # The families' own records decide which presets and backends exist.
 from rawmm.contract.engine_api import MAX_TOKENS_LIMIT, TEMPERATURE_LIMIT
 
@@ -21,10 +24,8 @@ from rawmm.contract.engine_api import MIN_TEMPERATURE as MIN_TEMPERATURE
 from rawmm.contract.engine_api import temperature_problem as temperature_problem
 from rawmm.contract.families import Backend as ProcessorBackend
 from rawmm.contract.families import Preset
+from rawmm.contract.retention_bounds import check_older_than
 from rawmm.contract.shared_dir import SharedDir
-from rawmm.duration import DURATION_PATTERN, parse_duration
-from rawmm.quantity import BYTE_SIZE_PATTERN, parse_byte_size
-from rawmm.retention_bounds import check_older_than
 
 # Which engine `rawmm serve` runs (not to be confused with rawmm.serving.engine.Engine, the interface).
 EngineKind = Literal["transformers", "vllm"]

@@ -15,7 +15,7 @@ from rawmm.config import RunConfig
 from rawmm.contract import OffloadStore
 from rawmm.run import LocalRun, PlanError, plan_local_run
 
-EXAMPLE = Path(__file__).parents[1] / "examples" / "local-tiny.yaml"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "local-tiny.yaml"
 
 
 def tiny_config(model: str, *, retention: dict[str, object]) -> RunConfig:

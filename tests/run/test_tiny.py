@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rawmm.contract import get_family
-from rawmm.tiny import TINY_MAX_TOKENS, build_tiny_model
+from rawmm.run.tiny import TINY_MAX_TOKENS, build_tiny_model
 
 SPECIAL = [
     "<|im_start|>",

@@ -1,6 +1,6 @@
 """The time bounds of the offload store's GC protocol (`rawmm.contract.gc` has the argument).
 
-Dependency-free, like ``rawmm.duration``: the store and the collector use them, and the run config checks
+Dependency-free, like ``rawmm.config.duration``: the store and the collector use them, and the run config checks
 ``offload.retention.older_than`` against them without importing the contract (the operator reads it too).
 """
 

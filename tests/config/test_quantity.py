@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from schema_patterns import parser_agrees_with_pattern
 
-from rawmm.quantity import BYTE_SIZE_PATTERN, parse_byte_size
+from rawmm.config.quantity import BYTE_SIZE_PATTERN, parse_byte_size
 
 
 @pytest.mark.parametrize(

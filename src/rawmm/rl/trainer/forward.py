@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rawmm.rl.packing import PackedMicroBatch
+from rawmm.rl.trainer.packing import PackedMicroBatch
 
 if TYPE_CHECKING:
     from rawmm.materialize import ForwardPolicy

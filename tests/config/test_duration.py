@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from schema_patterns import parser_agrees_with_pattern
 
 from rawmm.config import ConfigError, RunConfig
-from rawmm.duration import DURATION_PATTERN, parse_duration
+from rawmm.config.duration import DURATION_PATTERN, parse_duration
 
 
 @pytest.mark.parametrize(

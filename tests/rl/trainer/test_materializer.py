@@ -12,11 +12,11 @@ from transformers import AutoTokenizer
 from rawmm.contract import InvalidImageRef, RawImageDescriptor, render_chat
 from rawmm.materialize import get_adapter, load_processor
 from rawmm.materialize.normalize import PixelNormalizer
-from rawmm.rl.forward import forward_logprobs, sample_starts
-from rawmm.rl.materializer import MaterializedMicroBatch, MissingImageError, RawImageMaterializer
-from rawmm.rl.packing import PackedMicroBatch, concat_samples
 from rawmm.rl.samples import Sample, build_mm_refs
+from rawmm.rl.trainer.forward import forward_logprobs, sample_starts
 from rawmm.rl.trainer.loss import policy_gradient_loss
+from rawmm.rl.trainer.materializer import MaterializedMicroBatch, MissingImageError, RawImageMaterializer
+from rawmm.rl.trainer.packing import PackedMicroBatch, concat_samples
 
 
 def random_image(width: int, height: int, seed: int) -> Image.Image:

@@ -12,7 +12,7 @@ from ports import free_port
 from rawmm.config import RunConfig
 from rawmm.run import LocalRun, plan_local_run
 
-EXAMPLE = Path(__file__).parents[1] / "examples" / "local-tiny-vllm.yaml"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "local-tiny-vllm.yaml"
 
 
 @pytest.mark.slow

@@ -9,9 +9,9 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, LlamaConfig, LlamaForCausalLM
 
 from rawmm.materialize import ForwardPolicy
-from rawmm.rl.forward import forward_logprobs, sample_positions, sample_starts, token_logprobs
-from rawmm.rl.packing import concat_samples
 from rawmm.rl.samples import Sample
+from rawmm.rl.trainer.forward import forward_logprobs, sample_positions, sample_starts, token_logprobs
+from rawmm.rl.trainer.packing import concat_samples
 
 QWEN = ForwardPolicy(pass_position_ids=False, requires_mm_token_type_ids=True)
 POSITION_IDS = ForwardPolicy(pass_position_ids=True, requires_mm_token_type_ids=False)

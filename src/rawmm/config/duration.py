@@ -1,6 +1,6 @@
 """Durations written as ``90s``, ``10m``, ``1h30m`` or ``7d``: one parser for the CLI, the run config and the RLRun.
 
-Dependency-free, like ``rawmm.quantity``: the operator imports it through ``rawmm.config``.
+Dependency-free, like ``rawmm.config.quantity``: the operator imports it through ``rawmm.config``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 import pytest
 
-from rawmm.rl.packing import concat_samples, pack_samples
 from rawmm.rl.samples import Sample, SampleError, build_mm_refs, validate_image_spans
+from rawmm.rl.trainer.packing import concat_samples, pack_samples
 
 
 def make_sample(
