@@ -18,15 +18,15 @@ held overshoot the budget by at most the oldest lease's items (it never waits, s
 progresses) and one miss of unknown size at a time.
 
 Evicting must also shrink the process: glibc raises its mmap threshold after freeing a large block, so
-later items live on the heap and in per-thread arenas, whose freed pages it keeps (measured: RSS grew 1.16x
-the budget filling a cache in-process, 1.25x in a vLLM API server). After each eighth of the budget
-evicted, the cache hands the free pages back (``malloc_trim``; 0.91x, no measurable cost per miss), on a
-thread of its own: one trim of a 2 GiB heap takes ~25 ms, too long to stall the event loop.
+later items live on the heap and in per-thread arenas, whose freed pages it keeps. After each eighth of the
+budget evicted, the cache hands the free pages back (``malloc_trim``) on a thread of its own, because one
+trim of a large heap is too long to stall the event loop.
 
 A server also keeps all its threads on one allocator arena (``share_one_allocator_arena``): items are
 allocated on whichever worker thread missed and freed on eviction, and glibc gives each thread an arena of
 its own, whose freed pages only that thread's later allocations reuse, so until the next trim the others
-grow anew (a vLLM API server filling a 1 GiB cache peaked at 1.15x the budget, 1.07x on one arena).
+grow anew. The resulting memory against the budget is measured by bench/engine_memory.py
+(docs/architecture.md §4).
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ _M_ARENA_MAX = -8  # glibc's mallopt parameter
 def share_one_allocator_arena() -> None:
     """Have threads created from now on allocate from glibc's main arena (a no-op elsewhere): call it before
     the server starts its worker threads. Only this process: passing it on to vLLM's engine core
-    (``MALLOC_ARENA_MAX``) left the engine core's growth as it was and raised the API server's peak filling a
-    256 MiB cache from 1.12x to 1.53x (bench/engine_memory.py)."""
+    (``MALLOC_ARENA_MAX``) left the engine core's growth as it was and raised the API server's peak
+    (bench/engine_memory.py)."""
     if _mallopt is not None:
         _mallopt(_M_ARENA_MAX, 1)
 
@@ -73,8 +73,8 @@ def release_freed_memory() -> None:
 
 
 def release_freed_memory_soon() -> None:
-    """``release_freed_memory`` on a short-lived thread: on a large heap one trim takes tens of milliseconds
-    (25 ms after freeing 256 MiB of a 2 GiB heap), which the event loop must not stall for."""
+    """``release_freed_memory`` on a short-lived thread: on a large heap one trim takes tens of milliseconds,
+    which the event loop must not stall for."""
     threading.Thread(target=release_freed_memory, name="rawmm-release-memory", daemon=True).start()
 
 

@@ -1,10 +1,10 @@
 """A request's images: features parsed against the prompt, then materialized through the cache, concurrently.
 
-Memory: decoding and processing an image costs about 20 bytes per decoded pixel at its peak (measured: an
-8192x8192 PNG, within the default 64 Mi-pixel limit, +1.2 GiB peak RSS, 4.5 s to decode and 28 s through the
-Qwen2-VL processor on a busy 2-core machine), so unbounded concurrency would let N such images cost N times that. A ``PixelBudget`` admits materializations by their decoded
-pixels (read from the header of the verified file, before any decode): at most ``capacity`` pixels are in flight across
-all requests, and an image larger than the whole budget runs alone.
+Memory: decoding and processing an image costs a multiple of its decoded pixels at its peak
+(docs/architecture.md §4 has the measured figure), so unbounded concurrency would let N large images cost N
+times that. A ``PixelBudget`` admits materializations by their decoded pixels (read from the header of the
+verified file, before any decode): at most ``capacity`` pixels are in flight across all requests, and an
+image larger than the whole budget runs alone.
 
 A request holds its items through a cache lease (``RequestImages.hold``) until its response: they stay in
 the cache's accounting, and a miss waits for room for its expected size (patches from the ref's grid times
