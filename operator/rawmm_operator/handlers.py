@@ -20,9 +20,9 @@ from typing import Any
 
 import kopf
 
-from rawmm_operator.builders import RUN_LABEL
 from rawmm_operator.kube import ApiError
 from rawmm_operator.metrics import RECONCILE_SECONDS, RECONCILES, PhaseTracker
+from rawmm_operator.objects import RUN_LABEL
 from rawmm_operator.reconcile import Outcome, Reconciler
 from rawmm_operator.spec import API_GROUP, API_VERSION, PLURAL
 

@@ -11,10 +11,10 @@ import kopf
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
-from rawmm_operator.builders import PodMonitorSettings
+from rawmm_operator.children.monitoring import DEFAULT_POD_MONITOR, PodMonitorSettings
 from rawmm_operator.handlers import DEFAULT_TIMING, LoopTiming, build_registry, operator_settings
 from rawmm_operator.kube import KubeApi
-from rawmm_operator.reconcile import DEFAULT_POD_MONITOR, Reconciler
+from rawmm_operator.reconcile import Reconciler
 
 
 def cluster_api_client() -> k8s.ApiClient:

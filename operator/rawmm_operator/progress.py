@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from rawmm_operator.builders import COMPONENT_LABEL, RUN_LABEL
-from rawmm_operator.gc import COMPONENT as GC_COMPONENT
+from rawmm_operator.children.jobs import GC_COMPONENT
 from rawmm_operator.kube import KubeApi
+from rawmm_operator.objects import COMPONENT_LABEL, RUN_LABEL
 from rawmm_operator.status import OffloadUsage, Progress
 
 TRAINER_STEP = "rawmm_trainer_step"

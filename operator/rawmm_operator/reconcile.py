@@ -20,9 +20,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from rawmm_operator import builders
-from rawmm_operator.builders import RUN_LABEL, RUN_SUSPEND, TEMPLATE_HASH, RunRef
+from rawmm_operator.children.config import build_weights_secret
+from rawmm_operator.children.monitoring import DEFAULT_POD_MONITOR, PodMonitorSettings
 from rawmm_operator.kube import ApiError, KubeApi, apply, merge_patch
 from rawmm_operator.names import child_name
+from rawmm_operator.objects import RUN_LABEL, RunRef, claim_name, owned_by, run_ref
+from rawmm_operator.pods import job_finished, job_suspend, template_changed
 from rawmm_operator.progress import ProgressReader
 from rawmm_operator.spec import KIND, InvalidSpec, RLRunSpec, parse_spec
 from rawmm_operator.status import (
@@ -38,7 +41,6 @@ from rawmm_operator.status import (
     transitions,
 )
 
-DEFAULT_POD_MONITOR = builders.PodMonitorSettings()
 # Kinds the operator deletes when it no longer builds them (never the volume: it holds the run's data).
 PRUNED_KINDS = ("ConfigMap", "Service", "StatefulSet", "Job", "PodMonitor")
 TIMESTAMP_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
@@ -73,17 +75,6 @@ def _read_status(body: dict[str, Any]) -> RLRunStatus:
         return RLRunStatus()  # unreadable (another version's?): derive afresh
 
 
-def _job_finished(job: dict[str, Any]) -> bool:
-    return any(
-        c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
-        for c in (job.get("status") or {}).get("conditions") or []
-    )
-
-
-def _owned_by(child: dict[str, Any], run: RunRef) -> bool:
-    return any(ref.get("uid") == run.uid for ref in child.get("metadata", {}).get("ownerReferences") or [])
-
-
 def newest_event(events: list[dict[str, Any]]) -> str | None:
     """ "reason: message" of the newest event, or None."""
 
@@ -114,22 +105,12 @@ def stage_of(spec: RLRunSpec, current: RLRunStatus, stored: RLRunStatus, now: st
     return "finished"
 
 
-def job_suspend(manifest: dict[str, Any], live: dict[str, Any]) -> bool:
-    """The `suspend` to apply to an existing Job: the built one when the RLRun's changed since it was last
-    carried over, else whatever the Job has (a queue may have set it). A queued run's Jobs are built
-    suspended, so resuming one leaves them for the queue to admit, as at creation."""
-    carried = live.get("metadata", {}).get("annotations", {}).get(RUN_SUSPEND)
-    if carried != manifest["metadata"]["annotations"][RUN_SUSPEND]:
-        return bool(manifest["spec"]["suspend"])
-    return bool((live.get("spec") or {}).get("suspend"))
-
-
 class Reconciler:
     def __init__(
         self,
         api: KubeApi,
         *,
-        pod_monitor: builders.PodMonitorSettings = DEFAULT_POD_MONITOR,
+        pod_monitor: PodMonitorSettings = DEFAULT_POD_MONITOR,
         progress_interval: float = 15.0,
     ) -> None:
         self.api = api
@@ -170,7 +151,7 @@ class Reconciler:
         now = utc_now()
         try:
             spec = parse_spec(name, body.get("spec"))
-            run = builders.run_ref(meta, namespace=namespace, uid=meta["uid"])
+            run = run_ref(meta, namespace=namespace, uid=meta["uid"])
             return self._converge(body, run, spec, generation, previous, now)
         except InvalidSpec as exc:
             status = invalid_spec_status(generation=generation, message=str(exc), previous=previous, now=now)
@@ -198,7 +179,7 @@ class Reconciler:
         if key in self._secrets:
             return
         try:
-            self.api.create(builders.build_weights_secret(run, secrets.token_urlsafe(32)))
+            self.api.create(build_weights_secret(run, secrets.token_urlsafe(32)))
             outcome.actions[f"Secret/{child_name(run.name, 'weights')}"] = "created"
         except ApiError as exc:
             if exc.status != 409:  # 409: it exists already
@@ -214,7 +195,7 @@ class Reconciler:
         previous: RLRunStatus,
         now: str,
     ) -> Outcome:
-        claim = builders.claim_name(run, spec)
+        claim = claim_name(run, spec)
         roles = {
             "claim": ("PersistentVolumeClaim", claim),
             "engines": ("StatefulSet", child_name(run.name, "engine")),
@@ -286,9 +267,7 @@ class Reconciler:
             outcome.actions[child] = applied.action
         if stage == "finished":
             # Every Job of the run: orchestrator, trainer and, with retention, the offload GC.
-            jobs = [
-                j for j in self.api.list("Job", run.namespace, {RUN_LABEL: run.name}) if _owned_by(j, run)
-            ]
+            jobs = [j for j in self.api.list("Job", run.namespace, {RUN_LABEL: run.name}) if owned_by(j, run)]
             self._release_jobs(run, jobs, outcome)
         self._prune(run, stage, {(m["kind"], m["metadata"]["name"]) for m in built}, outcome)
         if stage == "expired":
@@ -319,8 +298,7 @@ class Reconciler:
         meta = live["metadata"]
         if meta.get("deletionTimestamp"):
             return "deleting"
-        wanted = manifest["metadata"]["annotations"][TEMPLATE_HASH]
-        if (meta.get("annotations") or {}).get(TEMPLATE_HASH) == wanted:
+        if not template_changed(manifest, live):
             return None
         self.api.delete("Job", run.namespace, meta["name"], uid=meta.get("uid"))
         return "deleted"
@@ -329,7 +307,7 @@ class Reconciler:
         """A finished run's surviving Jobs (the trainer failed, the orchestrator still waits, the offload
         GC watches) are suspended: their pods go, they stay for their logs and counts."""
         for job in jobs:
-            if _job_finished(job) or (job.get("spec") or {}).get("suspend"):
+            if job_finished(job) or (job.get("spec") or {}).get("suspend"):
                 continue
             name = job["metadata"]["name"]
             self.api.patch("Job", run.namespace, name, {"spec": {"suspend": True}})
@@ -358,7 +336,7 @@ class Reconciler:
                 raise
             for child in children:
                 name = child["metadata"]["name"]
-                if (kind, name) in built or not _owned_by(child, run):
+                if (kind, name) in built or not owned_by(child, run):
                     continue
                 self.api.delete(kind, run.namespace, name, uid=child["metadata"].get("uid"))
                 outcome.actions[f"{kind}/{name}"] = "deleted"

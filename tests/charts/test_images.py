@@ -33,7 +33,7 @@ def test_base_images_are_pinned_to_a_version_tag(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(IMAGES))
 def test_images_run_as_the_non_root_user_the_pods_use(name: str) -> None:
-    from rawmm_operator.builders import POD_USER
+    from rawmm_operator.pods import POD_USER
 
     users = instructions(IMAGES[name], "USER")
     assert users, "no USER: the image would run as root"

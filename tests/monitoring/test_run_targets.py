@@ -9,7 +9,9 @@ from monitoring_helpers import REPO, dashboards, rule_groups
 
 
 def _children() -> list[dict]:
-    from rawmm_operator.builders import PodMonitorSettings, RunRef, build_children
+    from rawmm_operator.builders import build_children
+    from rawmm_operator.children.monitoring import PodMonitorSettings
+    from rawmm_operator.objects import RunRef
     from rawmm_operator.reconcile import parse_spec
 
     run = yaml.safe_load((REPO / "manifests" / "examples" / "qwen3-vl-gpu.yaml").read_text())

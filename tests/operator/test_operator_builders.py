@@ -10,15 +10,11 @@ from operator_samples import CPU_ONLY, EXISTING_CLAIM, ISSUE_EXAMPLE, MULTI_GPU,
 from rawmm.config import RunConfig
 from rawmm.config.quantity import parse_byte_size
 from rawmm.config.serve_argv import serve_argv
-from rawmm_operator.builders import (
-    RUN_LABEL,
-    TEMPLATE_HASH,
-    PodMonitorSettings,
-    RunRef,
-    build_children,
-    build_weights_secret,
-    container_resources,
-)
+from rawmm_operator.builders import build_children
+from rawmm_operator.children.config import build_weights_secret
+from rawmm_operator.children.monitoring import PodMonitorSettings
+from rawmm_operator.objects import RUN_LABEL, RunRef
+from rawmm_operator.pods import TEMPLATE_HASH, container_resources
 from rawmm_operator.spec import ENGINE_PORT, Resources, default_image, parse_spec, run_config
 
 RUN = RunRef(name="exp", namespace="ml", uid="5b1f5d0e-6a37-4f8e-8a0d-4bd0c3b3b5a1")

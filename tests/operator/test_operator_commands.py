@@ -142,7 +142,7 @@ def test_manifests_render_prints_the_children_of_an_rlrun(
 def test_manifests_render_queues_the_jobs_of_an_rlrun_with_a_kueue_label(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from rawmm_operator.builders import QUEUE_LABEL
+    from rawmm_operator.objects import QUEUE_LABEL
 
     body = rlrun("exp", ISSUE_EXAMPLE)
     body["metadata"]["labels"] = {QUEUE_LABEL: "team-a"}

@@ -17,8 +17,10 @@ from test_operator_progress import PodList, pod
 
 from rawmm.config import RunConfig
 from rawmm.contract.gc import GCReport
-from rawmm_operator.builders import RUN_LABEL, TEMPLATE_HASH, build_children
+from rawmm_operator.builders import build_children
 from rawmm_operator.handlers import LoopTiming
+from rawmm_operator.objects import RUN_LABEL
+from rawmm_operator.pods import TEMPLATE_HASH
 from rawmm_operator.progress import ProgressReader
 from rawmm_operator.spec import InvalidSpec, parse_spec
 from rawmm_operator.status import Observed, Progress, RLRunStatus, derive_status

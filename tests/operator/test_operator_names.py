@@ -15,9 +15,11 @@ from test_operator_builders import pod_spec
 
 from rawmm.config import RunConfig
 from rawmm_operator import names
-from rawmm_operator.builders import RunRef, build_children, build_weights_secret
+from rawmm_operator.builders import build_children
+from rawmm_operator.children.config import build_weights_secret
 from rawmm_operator.kube import KubeApi
 from rawmm_operator.names import SUFFIXES, Child, child_name, engine_pod
+from rawmm_operator.objects import RunRef
 from rawmm_operator.reconcile import Reconciler
 from rawmm_operator.spec import MAX_RUN_NAME, parse_spec
 

@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 from operator_samples import ISSUE_EXAMPLE, merged
 
-from rawmm_operator.builders import RUN_SUSPEND, RunRef, build_children
-from rawmm_operator.reconcile import job_suspend, newest_event, stage_of
+from rawmm_operator.builders import build_children
+from rawmm_operator.objects import RunRef
+from rawmm_operator.pods import RUN_SUSPEND, job_suspend
+from rawmm_operator.reconcile import newest_event, stage_of
 from rawmm_operator.spec import parse_spec
 from rawmm_operator.status import RLRunStatus
 

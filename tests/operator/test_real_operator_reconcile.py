@@ -24,7 +24,8 @@ from kube.cluster import KubeCluster, OperatorProcess, wait_for
 from kube.installs import RELEASE_NAMESPACE, helm_release
 from prometheus_client.parser import text_string_to_metric_families
 
-from rawmm_operator.builders import RUN_LABEL, TEMPLATE_HASH
+from rawmm_operator.objects import RUN_LABEL
+from rawmm_operator.pods import TEMPLATE_HASH
 from rawmm_operator.spec import default_image
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

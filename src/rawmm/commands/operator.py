@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     from prometheus_client import start_http_server
 
-    from rawmm_operator.builders import PodMonitorSettings
+    from rawmm_operator.children.monitoring import PodMonitorSettings
     from rawmm_operator.handlers import LoopTiming
     from rawmm_operator.main import cluster_api_client, run_operator
 
