@@ -69,7 +69,7 @@ class SampleRenderer:
 
     def sample(self, images: list[Image.Image], sample_id: str, advantage: float):  # noqa: ANN201
         from rawmm.contract import render_chat
-        from rawmm.rl.samples import Sample, build_mm_refs
+        from rawmm.rl.samples import completion_sample
 
         messages: list = []
         for t, image in enumerate(images):
@@ -89,19 +89,8 @@ class SampleRenderer:
             config=self.family_config,
             store=self.store,
         )
-        n, c = len(prompt.token_ids), len(self.answer)
-        return Sample(
-            token_ids=[*prompt.token_ids, *self.answer],
-            mm_token_type_ids=[*prompt.mm_token_type_ids, *[0] * c],
-            loss_mask=[False] * n + [True] * c,
-            advantages=[0.0] * n + [advantage] * c,
-            logprobs=[0.0] * n + [-1.0] * c,
-            mm_refs=build_mm_refs(
-                [i.descriptor for i in prompt.images],
-                [i.mm_hash for i in prompt.images],
-                [{"offset": i.offset, "length": i.length} for i in prompt.images],
-            ),
-            sample_id=sample_id,
+        return completion_sample(
+            prompt, self.answer, [-1.0] * len(self.answer), advantage=advantage, sample_id=sample_id
         )
 
 

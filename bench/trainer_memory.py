@@ -164,7 +164,7 @@ def episode_samples(work: Path, episodes: int, turns: int) -> tuple[Path, list, 
 
     from rawmm.contract import OffloadStore, render_chat
     from rawmm.materialize import load_processor
-    from rawmm.rl.samples import Sample, build_mm_refs
+    from rawmm.rl.samples import completion_sample
     from rawmm.run.tiny import build_tiny_model
 
     # The preset's own max_pixels, so a 1280x720 screenshot keeps its real size (1288x728 after resize).
@@ -182,19 +182,12 @@ def episode_samples(work: Path, episodes: int, turns: int) -> tuple[Path, list, 
             prompt = render_chat(
                 messages, tokenizer=tokenizer, family=loaded.family, config=loaded.config, store=store
             )
-            n, c = len(prompt.token_ids), len(completion)
             samples.append(
-                Sample(
-                    token_ids=[*prompt.token_ids, *completion],
-                    mm_token_type_ids=[*prompt.mm_token_type_ids, *[0] * c],
-                    loss_mask=[False] * n + [True] * c,
-                    advantages=[0.0] * n + [1.0] * c,
-                    logprobs=[0.0] * n + [-1.0] * c,
-                    mm_refs=build_mm_refs(
-                        [i.descriptor for i in prompt.images],
-                        [i.mm_hash for i in prompt.images],
-                        [{"offset": i.offset, "length": i.length} for i in prompt.images],
-                    ),
+                completion_sample(
+                    prompt,
+                    completion,
+                    [-1.0] * len(completion),
+                    advantage=1.0,
                     reward=1.0,
                     sample_id=f"e{episode}-t{turn}",
                 )

@@ -1,14 +1,17 @@
 import msgspec
 import pytest
 
+from rawmm.contract import RawImageDescriptor, RenderedImage, RenderedPrompt
 from rawmm.rl.samples import (
     MMRefs,
     RolloutBatch,
     Sample,
     SampleError,
     build_mm_refs,
+    completion_sample,
     decode_batch,
     encode_batch,
+    extend_sample,
     truncate_sample,
     validate_image_spans,
 )
@@ -225,3 +228,62 @@ def test_decode_batch_rejects_truncated_and_invalid_payloads():
     )
     with pytest.raises(SampleError, match=r"invalid rollout batch.*mm_token_type_ids has 0 entries"):
         decode_batch(bad)
+
+
+def prompt(tokens: list[int], images: list[tuple[str, int, int]]) -> RenderedPrompt:
+    """A rendered prompt whose image `(hash char, offset, length)` spans are image-typed tokens."""
+    types = [0] * len(tokens)
+    for _, offset, length in images:
+        types[offset : offset + length] = [1] * length
+    rendered = [
+        RenderedImage(RawImageDescriptor.from_dict(descriptor(h)), h * 32, offset, length)
+        for h, offset, length in images
+    ]
+    return RenderedPrompt(token_ids=tokens, mm_token_type_ids=types, images=rendered)
+
+
+def test_completion_sample_trains_the_completion_only():
+    sample = completion_sample(
+        prompt([1, 9, 9, 2], [("a", 1, 2)]),
+        [5, 6],
+        [-0.5, -0.25],
+        advantage=2.0,
+        reward=1.0,
+        sample_id="r-t0",
+    )
+    assert sample.token_ids == [1, 9, 9, 2, 5, 6]
+    assert sample.mm_token_type_ids == [0, 1, 1, 0, 0, 0]
+    assert sample.loss_mask == [False] * 4 + [True] * 2
+    assert sample.advantages == [0.0] * 4 + [2.0] * 2
+    assert sample.logprobs == [0.0] * 4 + [-0.5, -0.25]
+    assert [(i.mm_hash[0], i.offset, i.length) for i in sample.mm_refs] == [("a", 1, 2)]
+    assert (sample.reward, sample.sample_id) == (1.0, "r-t0")
+    with pytest.raises(SampleError, match="2 completion tokens but 1 logprobs"):
+        completion_sample(prompt([1], []), [5, 6], [-0.5], advantage=1.0)
+
+
+def test_extend_sample_keeps_earlier_turns_and_trains_the_new_completion():
+    first = completion_sample(prompt([1, 9, 9, 2], [("a", 1, 2)]), [5, 6], [-0.5, -0.25], advantage=2.0)
+    later = prompt([1, 9, 9, 2, 5, 6, 3, 8, 8, 4], [("a", 1, 2), ("b", 7, 2)])
+    merged = extend_sample(first, later, [7], [-1.0], advantage=2.0)
+    assert merged is not None
+    assert merged.token_ids == [1, 9, 9, 2, 5, 6, 3, 8, 8, 4, 7]
+    assert merged.loss_mask == [False] * 4 + [True] * 2 + [False] * 4 + [True]
+    assert merged.logprobs == [0.0] * 4 + [-0.5, -0.25] + [0.0] * 4 + [-1.0]
+    assert merged.advantages == [0.0] * 4 + [2.0] * 2 + [0.0] * 4 + [2.0]
+    assert [(i.mm_hash[0], i.offset) for i in merged.mm_refs] == [("a", 1), ("b", 7)]
+
+
+@pytest.mark.parametrize(
+    "later",
+    [
+        prompt([1, 9, 9, 2, 5, 7, 3], [("a", 1, 2)]),  # the reply re-rendered as other tokens
+        prompt([1, 9, 9, 2, 5], [("a", 1, 2)]),  # shorter than the sample
+        prompt([1, 9, 9, 2, 5, 6, 3], [("b", 1, 2)]),  # same placeholder tokens, another image
+        prompt([1, 9, 9, 2, 5, 6, 3], []),  # the image is gone: its tokens are typed as text
+    ],
+    ids=["rerendered", "shorter", "other-image", "image-dropped"],
+)
+def test_a_prompt_that_does_not_start_with_the_sample_forks(later):
+    first = completion_sample(prompt([1, 9, 9, 2], [("a", 1, 2)]), [5, 6], [-0.5, -0.25], advantage=2.0)
+    assert extend_sample(first, later, [7], [-1.0], advantage=2.0) is None

@@ -1,17 +1,24 @@
 """Training samples that carry raw image refs instead of pixels, and the batch format on the shared volume.
 
-A `Sample` is one rollout as the trainer sees it: per-token arrays (token ids, mm token types, loss
-mask, advantages, sampled logprobs) plus `MMRefs`, the ordered images of the sample, each an
+A `Sample` is one rollout branch as the trainer sees it: per-token arrays (token ids, mm token types,
+loss mask, advantages, sampled logprobs) plus `MMRefs`, the ordered images of the sample, each an
 `MMImageRef` = descriptor + content hash + placeholder span. Everything is a msgspec Struct, so a
 step's `RolloutBatch` serializes to compact msgpack (`encode_batch` / `decode_batch`).
+
+`completion_sample` is the one constructor of a sample from a rendered prompt and the tokens sampled
+after it; `extend_sample` appends a later turn to a sample when the turn's prompt starts with exactly
+that sample's tokens and images (one sample per prefix-consistent branch, docs/architecture.md §5).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+
+if TYPE_CHECKING:
+    from rawmm.contract import RenderedPrompt
 
 
 class SampleError(ValueError):
@@ -235,6 +242,79 @@ def truncate_sample(sample: Sample, seq_len: int) -> Sample:
         advantages=sample.advantages[:cut],
         logprobs=sample.logprobs[:cut],
         mm_refs=MMRefs(images=tuple(kept)),
+        reward=sample.reward,
+        sample_id=sample.sample_id,
+    )
+
+
+def prompt_mm_refs(prompt: RenderedPrompt) -> MMRefs:
+    """The `MMRefs` of a rendered prompt's images, checked to lie on its image-typed tokens."""
+    mm_refs = build_mm_refs(
+        [image.descriptor for image in prompt.images],
+        [image.mm_hash for image in prompt.images],
+        [{"offset": image.offset, "length": image.length} for image in prompt.images],
+    )
+    validate_image_spans(mm_refs, prompt.mm_token_type_ids)
+    return mm_refs
+
+
+def completion_sample(
+    prompt: RenderedPrompt,
+    completion_ids: Sequence[int],
+    completion_logprobs: Sequence[float],
+    *,
+    advantage: float,
+    reward: float = 0.0,
+    sample_id: str = "",
+) -> Sample:
+    """`prompt` followed by the tokens sampled after it: loss, advantage and logprobs on those only."""
+    empty = Sample(token_ids=[], mm_token_type_ids=[], loss_mask=[], advantages=[], logprobs=[])
+    sample = extend_sample(empty, prompt, completion_ids, completion_logprobs, advantage=advantage)
+    assert sample is not None  # every prompt extends the empty sample
+    return msgspec.structs.replace(sample, reward=reward, sample_id=sample_id)
+
+
+def extends(sample: Sample, prompt: RenderedPrompt) -> bool:
+    """Whether `prompt` starts with exactly `sample`'s tokens and images: then every token of `sample`
+    has, inside `prompt`, the very context it had in `sample` (causal attention sees only the prefix)."""
+    n = len(sample)
+    if len(prompt.token_ids) < n or prompt.token_ids[:n] != sample.token_ids:
+        return False
+    if prompt.mm_token_type_ids[:n] != sample.mm_token_type_ids:
+        return False
+    earlier = [(image.mm_hash, image.offset, image.length) for image in sample.mm_refs]
+    first = [(image.mm_hash, image.offset, image.length) for image in prompt.images[: len(earlier)]]
+    # An image of the prompt that starts inside the sample would be one the sample's tokens did not see.
+    later_inside = any(image.offset < n for image in prompt.images[len(earlier) :])
+    return first == earlier and not later_inside
+
+
+def extend_sample(
+    sample: Sample,
+    prompt: RenderedPrompt,
+    completion_ids: Sequence[int],
+    completion_logprobs: Sequence[float],
+    *,
+    advantage: float,
+) -> Sample | None:
+    """`sample` continued by `prompt`'s new tokens and the completion sampled after it, or None when
+    `prompt` does not extend `sample` (the caller starts a new branch). The earlier tokens keep their
+    loss mask, advantages and logprobs; the prompt's new tokens carry no loss."""
+    if len(completion_ids) != len(completion_logprobs):
+        raise SampleError(
+            f"sample {sample.sample_id!r}: {len(completion_ids)} completion tokens but "
+            f"{len(completion_logprobs)} logprobs"
+        )
+    if not extends(sample, prompt):
+        return None
+    new, c = len(prompt.token_ids) - len(sample), len(completion_ids)
+    return Sample(
+        token_ids=[*prompt.token_ids, *completion_ids],
+        mm_token_type_ids=[*prompt.mm_token_type_ids, *[0] * c],
+        mm_refs=prompt_mm_refs(prompt),
+        loss_mask=[*sample.loss_mask, *[False] * new, *[True] * c],
+        advantages=[*sample.advantages, *[0.0] * new, *[advantage] * c],
+        logprobs=[*sample.logprobs, *[0.0] * new, *completion_logprobs],
         reward=sample.reward,
         sample_id=sample.sample_id,
     )

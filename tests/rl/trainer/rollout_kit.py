@@ -17,7 +17,7 @@ from rawmm.config import RunConfig
 from rawmm.contract import OffloadStore, RawImageDescriptor
 from rawmm.rl.batches import write_batch
 from rawmm.rl.orchestrator.rollout import PromptRenderer
-from rawmm.rl.samples import RolloutBatch, Sample, build_mm_refs
+from rawmm.rl.samples import RolloutBatch, Sample, completion_sample
 from rawmm.rl.trainer.forward import forward_logprobs
 from rawmm.rl.trainer.packing import concat_samples
 
@@ -73,18 +73,11 @@ class RolloutFactory:
         ]
         prompt = self.renderer.render(self.renderer.offload([{"role": "user", "content": content}]))
         completion_ids = self.renderer.tokenizer.encode(completion)
-        n, c = len(prompt.token_ids), len(completion_ids)
-        sample = Sample(
-            token_ids=[*prompt.token_ids, *completion_ids],
-            mm_token_type_ids=[*prompt.mm_token_type_ids, *[0] * c],
-            loss_mask=[False] * n + [True] * c,
-            advantages=[0.0] * n + [advantage] * c,
-            logprobs=[0.0] * (n + c),
-            mm_refs=build_mm_refs(
-                [i.descriptor for i in prompt.images],
-                [i.mm_hash for i in prompt.images],
-                [{"offset": i.offset, "length": i.length} for i in prompt.images],
-            ),
+        sample = completion_sample(
+            prompt,
+            completion_ids,
+            [0.0] * len(completion_ids),
+            advantage=advantage,
             reward=max(advantage, 0.0),
             sample_id=sample_id,
         )

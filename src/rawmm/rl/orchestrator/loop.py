@@ -32,7 +32,7 @@ from rawmm.rl.orchestrator.advantages import group_advantages
 from rawmm.rl.orchestrator.engine_client import InvalidRefError, RequestRejected
 from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
 from rawmm.rl.orchestrator.replicas import ReplicaPool
-from rawmm.rl.orchestrator.rollout import PromptRenderer, Rollout, RolloutId, play, turn_samples
+from rawmm.rl.orchestrator.rollout import PromptRenderer, Rollout, RolloutId, branch_samples, play
 from rawmm.rl.samples import RolloutBatch, Sample
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ class Orchestrator:
         samples = []
         for group in groups:
             for rollout, advantage in zip(group, group_advantages([r.reward for r in group]), strict=True):
-                samples.extend(turn_samples(rollout, advantage, self.renderer.placeholder_id))
+                samples.extend(branch_samples(rollout, advantage, self.renderer.placeholder_id))
         return samples
 
     async def _wait_for_trainer(self, step: int) -> float:

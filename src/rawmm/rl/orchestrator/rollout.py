@@ -2,9 +2,14 @@
 
 Every turn renders the whole conversation so far (all earlier images included) with the contract's
 renderer, sends its tokens and image refs to the engine, and hands the decoded reply to the
-episode. Each turn becomes one training sample: exactly the prompt the engine saw plus the tokens
-it sampled (loss on those only), so the trainer scores the very tokens the engine produced, never a
-re-tokenization of them. The turns of a rollout share its advantage.
+episode. The trainer gets one sample per prefix-consistent branch (`branch_samples`): a turn whose
+prompt starts with exactly an earlier sample's tokens and images (its prompt, the tokens the engine
+sampled, nothing re-rendered) extends that sample; any other turn (a chat template that re-renders an
+earlier assistant turn, a reply cut at a placeholder) starts a new branch. Either way every sampled
+token is trained on, scored with exactly the context the engine saw, and never re-tokenized; a T-turn
+rollout then trains its prompt tokens and images once, not T times. The turns share the rollout's
+advantage. `turn_samples` (one sample per turn) is the same data unmerged: the reference the merged
+samples are checked against, and the benchmark's before.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from rawmm.contract import OffloadStore, offload_message_images, render_chat, re
 from rawmm.contract.engine_api import GenerateRequest, GenerateResponse, Sampling
 from rawmm.rl.envs import Episode, Message
 from rawmm.rl.orchestrator.replicas import ReplicaPool
-from rawmm.rl.samples import Sample, build_mm_refs, validate_image_spans
+from rawmm.rl.samples import Sample, completion_sample, extend_sample
 
 
 class PromptRenderer:
@@ -149,32 +154,49 @@ def trainable_completion(generation: GenerateResponse, placeholder_id: int) -> t
 
 
 def turn_samples(rollout: Rollout, advantage: float, placeholder_id: int) -> list[Sample]:
-    """One sample per turn that generated trainable tokens, each checked: spans must lie on image tokens."""
+    """One sample per turn that generated trainable tokens: its prompt plus its completion."""
     samples = []
     for number, turn in enumerate(rollout.turns):
-        prompt = turn.prompt
         tokens, logprobs = trainable_completion(turn.generation, placeholder_id)
-        completion = len(tokens)
-        if completion == 0:
-            continue
-        n = len(prompt.token_ids)
-        mm_token_type_ids = [*prompt.mm_token_type_ids, *[0] * completion]
-        mm_refs = build_mm_refs(
-            [image.descriptor for image in prompt.images],
-            [image.mm_hash for image in prompt.images],
-            [{"offset": image.offset, "length": image.length} for image in prompt.images],
-        )
-        validate_image_spans(mm_refs, mm_token_type_ids)
-        samples.append(
-            Sample(
-                token_ids=[*prompt.token_ids, *tokens],
-                mm_token_type_ids=mm_token_type_ids,
-                loss_mask=[False] * n + [True] * completion,
-                advantages=[0.0] * n + [advantage] * completion,
-                logprobs=[0.0] * n + logprobs,
-                mm_refs=mm_refs,
-                reward=rollout.reward,
-                sample_id=f"{rollout.id}-t{number}",
+        if tokens:
+            samples.append(
+                completion_sample(
+                    turn.prompt,
+                    tokens,
+                    logprobs,
+                    advantage=advantage,
+                    reward=rollout.reward,
+                    sample_id=f"{rollout.id}-t{number}",
+                )
             )
-        )
     return samples
+
+
+def branch_samples(rollout: Rollout, advantage: float, placeholder_id: int) -> list[Sample]:
+    """One sample per prefix-consistent branch of the rollout's turns (named after its first turn).
+
+    A turn extends the newest branch its prompt starts with (tokens and images, exactly); otherwise it
+    forks a new branch. Loss is on every turn's sampled tokens, as in `turn_samples`.
+    """
+    branches: list[Sample] = []
+    for number, turn in enumerate(rollout.turns):
+        tokens, logprobs = trainable_completion(turn.generation, placeholder_id)
+        if not tokens:
+            continue
+        for index in reversed(range(len(branches))):
+            extended = extend_sample(branches[index], turn.prompt, tokens, logprobs, advantage=advantage)
+            if extended is not None:
+                branches[index] = extended
+                break
+        else:
+            branches.append(
+                completion_sample(
+                    turn.prompt,
+                    tokens,
+                    logprobs,
+                    advantage=advantage,
+                    reward=rollout.reward,
+                    sample_id=f"{rollout.id}-t{number}",
+                )
+            )
+    return branches
