@@ -1,15 +1,19 @@
-"""A real `rawmm serve` process on 127.0.0.1 for HTTP tests: start, wait for /health, always stop."""
+"""A real `rawmm serve` process on 127.0.0.1 for HTTP tests: start, wait for /health, always stop.
+
+`serve_process` is the one way tests start a server (this module's transformers engine and
+`vllm_harness`'s vLLM engine): its own process group, torn down whole whatever happens."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +80,36 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path, timeout_
 
 
 @contextmanager
+def serve_process(
+    command: Sequence[str], env: dict[str, str], log: Path, url: str, timeout_s: float
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``command`` in a process group of its own, logging to ``log``; yields once ``url`` answers /health and
+    stops the whole group on exit (a vLLM server's engine core included)."""
+    with open(log, "wb") as log_file:
+        process = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        wait_healthy(url, process, log, timeout_s)
+        yield process
+    finally:
+        stop_group(process)
+
+
+def stop_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's process group, SIGKILL what is left after 30 s."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    with suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=30)
+    with suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # whatever of the group is left (an engine core)
+    process.wait(timeout=30)
+
+
+@contextmanager
 def running_server(
     model: Path, work: Path, serve_args: Sequence[str], *, timeout_s: float = 240.0
 ) -> Iterator[Server]:
@@ -95,11 +129,8 @@ def running_server(
         "--weights-root", str(weights_root), *serve_args,
     ]  # fmt: skip
     env = {**os.environ, "RAWMM_WEIGHTS_TOKEN": WEIGHTS_TOKEN}
-    with open(log, "wb") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, process, log, timeout_s)
+    url = f"http://127.0.0.1:{port}"
+    with serve_process(command, env, log, url, timeout_s):
         yield Server(
             url=url,
             store=store,
@@ -108,13 +139,6 @@ def running_server(
             log=log,
             weights_root=weights_root,
         )
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=30)
 
 
 @contextmanager

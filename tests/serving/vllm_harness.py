@@ -10,11 +10,10 @@ from __future__ import annotations
 import base64
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import httpx
 from PIL import Image
 from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
-from serve_harness import wait_healthy
+from serve_harness import serve_process
 
 from rawmm.contract import OffloadStore, RenderedPrompt, get_family, render_chat
 
@@ -104,13 +103,8 @@ def vllm_server(
         "--", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--enforce-eager", "--dtype", "float32",
         "--limit-mm-per-prompt", '{"video": 0}', *vllm_args,
     ]  # fmt: skip
-    with open(log, "wb") as log_file:
-        process = subprocess.Popen(
-            command, stdout=log_file, stderr=subprocess.STDOUT, env=vllm_env(tmp), start_new_session=True
-        )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, process, log, timeout_s)
+    url = f"http://127.0.0.1:{port}"
+    with serve_process(command, vllm_env(tmp), log, url, timeout_s) as process:
         yield VllmServer(
             url=url,
             model=model,
@@ -120,21 +114,6 @@ def vllm_server(
             process=process,
             log=log,
         )
-    finally:
-        stop_group(process)
-
-
-def stop_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's process group (API server + engine core), SIGKILL what is left after 30 s."""
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    with suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=30)
-    with suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)  # whatever of the group is left (an engine core)
-    process.wait(timeout=30)
 
 
 def data_url(path: Path) -> str:
