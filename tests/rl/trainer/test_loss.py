@@ -30,6 +30,8 @@ def test_ratio_is_clipped_only_in_the_direction_of_the_advantage():
     assert grad.tolist() == pytest.approx([0.0, 1.5 / 4, -0.5 / 4, 0.0])
     assert (parts.clipped_tokens, parts.tokens) == (2, 4)
     assert parts.abs_logprob_diff == pytest.approx(2 * math.log(1.5) + 2 * -math.log(0.5))
+    # k3: r - 1 - log r per token, never negative
+    assert parts.kl_estimate == pytest.approx(2 * (0.5 - math.log(1.5)) + 2 * (-0.5 - math.log(0.5)))
 
 
 def test_masked_tokens_contribute_nothing_and_step_tokens_normalize():
@@ -38,6 +40,7 @@ def test_masked_tokens_contribute_nothing_and_step_tokens_normalize():
     assert grad.tolist() == pytest.approx([0.0, -1.0 / 4, 0.0])
     assert (parts.clipped_tokens, parts.tokens) == (0, 1)
     assert parts.abs_logprob_diff == 0.0  # only the unmasked token counts, and its ratio is 1
+    assert parts.kl_estimate == 0.0
 
 
 def test_on_policy_loss_is_the_negative_mean_advantage():

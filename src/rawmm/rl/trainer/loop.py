@@ -39,6 +39,7 @@ class TrainStepReport:
     loss_tokens: int
     clipped_fraction: float
     logprob_diff_mean: float  # mean |trainer - engine| logprob over loss tokens (see LossParts)
+    logprob_kl_mean: float  # mean k3 estimate of KL(engine || trainer) over loss tokens (see LossParts)
     grad_norm: float
     images: int
     images_materialized: int
@@ -127,8 +128,8 @@ class Trainer:
         step_tokens, images, images_materialized, missing = (int(v) for v in all_reduce_sum(local))
 
         self.optimizer.zero_grad(set_to_none=True)
-        # loss, clipped tokens, |logprob diff| sum
-        loss_sum = torch.zeros(3, dtype=torch.float64, device=self.dist.device)
+        # loss, clipped tokens, |logprob diff| sum, KL estimate sum
+        loss_sum = torch.zeros(4, dtype=torch.float64, device=self.dist.device)
         for m in materialized:
             loss_sum += self._backward(m, step_tokens)
         if not self.sharded:  # FSDP reduce-scattered each unit's gradients during backward
@@ -149,6 +150,7 @@ class Trainer:
             loss_tokens=step_tokens,
             clipped_fraction=float(loss_sum[1]) / max(step_tokens, 1),
             logprob_diff_mean=float(loss_sum[2]) / max(step_tokens, 1),
+            logprob_kl_mean=float(loss_sum[3]) / max(step_tokens, 1),
             grad_norm=float(grad_norm),
             images=images,
             images_materialized=images_materialized,
@@ -191,7 +193,7 @@ class Trainer:
         )
         parts.loss.backward()
         return torch.tensor(
-            [parts.loss.item(), parts.clipped_tokens, parts.abs_logprob_diff],
+            [parts.loss.item(), parts.clipped_tokens, parts.abs_logprob_diff, parts.kl_estimate],
             dtype=torch.float64,
             device=device,
         )

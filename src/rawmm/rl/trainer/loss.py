@@ -18,6 +18,9 @@ class LossParts:
     # Sum over loss tokens of |new - old| logprob: near 0 on-policy unless the trainer and the engine
     # disagree (other pixels, other numerics) — the first thing to look at when training goes wrong.
     abs_logprob_diff: float
+    # Sum over loss tokens of exp(d) - 1 - d, d = new - old: the "k3" estimator of KL(old || new), unbiased on
+    # the sampled tokens and never negative; on-policy it measures the engine-trainer mismatch.
+    kl_estimate: float
 
 
 def policy_gradient_loss(
@@ -41,7 +44,11 @@ def policy_gradient_loss(
     per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
     loss = per_token.masked_fill(~mask, 0.0).sum() / max(step_tokens, 1)
     clipped = ((ratio * advantages) > (clipped_ratio * advantages)) & mask
-    abs_diff = (new_logprobs - old_logprobs).detach().abs().masked_fill(~mask, 0.0).sum()
+    diff = (new_logprobs - old_logprobs).detach().masked_fill(~mask, 0.0)
     return LossParts(
-        loss=loss, clipped_tokens=int(clipped.sum()), tokens=int(mask.sum()), abs_logprob_diff=float(abs_diff)
+        loss=loss,
+        clipped_tokens=int(clipped.sum()),
+        tokens=int(mask.sum()),
+        abs_logprob_diff=float(diff.abs().sum()),
+        kl_estimate=float((diff.exp() - 1 - diff).sum()),
     )
