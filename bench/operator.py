@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rawmm_operator.builders import build_children
+from rawmm_operator.catalogue import build_children
 from rawmm_operator.handlers import LoopTiming
 from rawmm_operator.objects import RunRef
 from rawmm_operator.spec import parse_spec

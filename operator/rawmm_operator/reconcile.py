@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import datetime
 import math
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
-from rawmm_operator import builders
-from rawmm_operator.children.config import build_weights_secret
+from rawmm_operator import catalogue
+from rawmm_operator.catalogue import Built, Stage
 from rawmm_operator.children.monitoring import DEFAULT_POD_MONITOR, PodMonitorSettings
 from rawmm_operator.kube import ApiError, KubeApi, apply, merge_patch
-from rawmm_operator.names import child_name
-from rawmm_operator.objects import RUN_LABEL, RunRef, claim_name, owned_by, run_ref
+from rawmm_operator.objects import RUN_LABEL, RunRef, owned_by, run_ref
 from rawmm_operator.pods import job_finished, job_suspend, template_changed
 from rawmm_operator.progress import ProgressReader
 from rawmm_operator.spec import KIND, InvalidSpec, RLRunSpec, parse_spec
@@ -38,11 +36,10 @@ from rawmm_operator.status import (
     Transition,
     derive_status,
     invalid_spec_status,
+    run_ended,
     transitions,
 )
 
-# Kinds the operator deletes when it no longer builds them (never the volume: it holds the run's data).
-PRUNED_KINDS = ("ConfigMap", "Service", "StatefulSet", "Job", "PodMonitor")
 TIMESTAMP_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
 
@@ -92,11 +89,11 @@ def newest_event(events: list[dict[str, Any]]) -> str | None:
     return f"{event.get('reason', '')}: {event.get('message', '')}".strip(": ")
 
 
-def stage_of(spec: RLRunSpec, current: RLRunStatus, stored: RLRunStatus, now: str) -> builders.Stage:
-    """Where the run is: `current` is this pass's view, `stored` the status written before. A run expires
-    only once its terminal phase is stored: the pass that deletes its children must not derive the
-    phase from their absence."""
-    if current.phase not in TERMINAL_PHASES:
+def stage_of(spec: RLRunSpec, ended: bool, stored: RLRunStatus, now: str) -> Stage:
+    """Where the run is: `ended` is whether this pass sees it Succeeded or Failed, `stored` the status
+    written before. A run expires only once its terminal phase is stored: the pass that deletes its
+    children must not derive the phase from their absence."""
+    if not ended:
         return "active"
     ttl = spec.ttl_seconds_after_finished
     recorded = stored.phase in TERMINAL_PHASES and stored.reason != INVALID_SPEC and stored.completion_time
@@ -119,15 +116,17 @@ class Reconciler:
         # Scrape a run's pods at most this often: the hit rate is taken between two scrapes.
         self.progress_interval = progress_interval
         self._last_progress: dict[tuple[str, str], float] = {}
-        self._secrets: set[tuple[str, str, str]] = set()  # (namespace, run, uid) whose Secret exists
-        self._expired: set[tuple[str, str, str]] = set()  # runs whose Secret went with their TTL
+        # (namespace, run, uid, kind, name) of the created-once children (the weights Secret) made, and of
+        # those deleted once the run left their stages.
+        self._created: set[tuple[str, str, str, str, str]] = set()
+        self._removed: set[tuple[str, str, str, str, str]] = set()
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop what is remembered about a run that is gone (or no longer ours)."""
         self._last_progress.pop((namespace, name), None)
         self.progress.forget(namespace, name)
-        self._secrets = {key for key in self._secrets if key[:2] != (namespace, name)}
-        self._expired = {key for key in self._expired if key[:2] != (namespace, name)}
+        self._created = {key for key in self._created if key[:2] != (namespace, name)}
+        self._removed = {key for key in self._removed if key[:2] != (namespace, name)}
 
     def _read_progress(self, run: RunRef, previous: RLRunStatus) -> Progress | None:
         key = (run.namespace, run.name)
@@ -172,19 +171,20 @@ class Reconciler:
         ]
         return newest_event(about)
 
-    def _ensure_secret(self, run: RunRef, outcome: Outcome) -> None:
-        """Create the run's weights token once; it is never rewritten (pods read it at start) nor read
-        (the operator has no right to read Secrets)."""
-        key = (run.namespace, run.name, run.uid)
-        if key in self._secrets:
-            return
-        try:
-            self.api.create(build_weights_secret(run, secrets.token_urlsafe(32)))
-            outcome.actions[f"Secret/{child_name(run.name, 'weights')}"] = "created"
-        except ApiError as exc:
-            if exc.status != 409:  # 409: it exists already
-                raise
-        self._secrets.add(key)
+    def _create_once(self, run: RunRef, spec: RLRunSpec, stage: Stage, outcome: Outcome) -> None:
+        """Create the run's created-once children (its weights token): never rewritten (pods read it at
+        start) nor read (the operator has no right to read Secrets)."""
+        for built in catalogue.build(run, spec, stage=stage, pod_monitor=self.pod_monitor, created_once=True):
+            key = (run.namespace, run.name, run.uid, *built.key)
+            if key in self._created:
+                continue
+            try:
+                self.api.create(built.manifest)
+                outcome.actions["/".join(built.key)] = "created"
+            except ApiError as exc:
+                if exc.status != 409:  # 409: it exists already
+                    raise
+            self._created.add(key)
 
     def _converge(
         self,
@@ -195,87 +195,35 @@ class Reconciler:
         previous: RLRunStatus,
         now: str,
     ) -> Outcome:
-        claim = claim_name(run, spec)
-        roles = {
-            "claim": ("PersistentVolumeClaim", claim),
-            "engines": ("StatefulSet", child_name(run.name, "engine")),
-            "orchestrator": ("Job", child_name(run.name, "orchestrator")),
-            "trainer": ("Job", child_name(run.name, "trainer")),
-        }
+        observed_keys = {role: (c.kind, c.name(run, spec)) for role, c in catalogue.observed()}
         live: dict[tuple[str, str], dict[str, Any] | None] = {
-            (kind, child): self.api.get(kind, run.namespace, child) for kind, child in roles.values()
+            key: self.api.get(key[0], run.namespace, key[1]) for key in observed_keys.values()
         }
-        claim_event = self._claim_event(run, claim, live[roles["claim"]])
+        claim = observed_keys["claim"][1]
+        claim_event = self._claim_event(run, claim, live[observed_keys["claim"]])
         deadline = spec.active_deadline_seconds
         exceeded = bool(
             deadline and previous.start_time and seconds_between(previous.start_time, now) >= deadline
         )
 
         def observed() -> Observed:
-            return Observed(
-                claim_name=claim, claim_event=claim_event, **{role: live[key] for role, key in roles.items()}
-            )
+            children = {role: live[key] for role, key in observed_keys.items()}
+            return Observed(claim_name=claim, claim_event=claim_event, **children)
 
-        before = derive_status(
-            suspend=spec.suspend,
-            generation=generation,
-            observed=observed(),
-            previous=previous,
-            now=now,
-            deadline_exceeded=exceeded,
-        )
-        stage = stage_of(spec, before, previous, now)
-        outcome = Outcome(body, before, [])
-        rejected: dict[str, str] = {}
-        recreating: list[str] = []
-        unavailable: list[str] = []
-        if stage != "expired":
-            self._ensure_secret(run, outcome)
-        built = builders.build_children(run, spec, stage=stage, pod_monitor=self.pod_monitor)
-        for manifest in built:
-            key = (manifest["kind"], manifest["metadata"]["name"])
-            child = f"{key[0]}/{key[1]}"
-            if key not in live:
-                live[key] = self.api.get(key[0], run.namespace, key[1])
-            current = live[key]
-            if key[0] == "Job" and current is not None:
-                replacing = self._replacing(run, manifest, current)
-                if replacing:
-                    recreating.append(child)
-                    if replacing == "deleted":
-                        outcome.actions[child] = "deleted"
-                    continue
-                manifest["spec"]["suspend"] = job_suspend(manifest, current)
-                # A precondition: if a queue changed the Job since it was read, the server says 409 (retried).
-                manifest["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-            try:
-                applied = apply(self.api, manifest, current)
-            except ApiError as exc:
-                if manifest["kind"] == "PodMonitor" and exc.status == 404:
-                    unavailable.append(child)
-                    continue
-                if exc.status == 409 and key[0] == "Job":
-                    # The Job changed since it was read (its controller, a queue): the rest of the pass
-                    # and the status go on; the Job is applied again on the next, soon.
-                    outcome.retry_soon = True
-                    continue
-                if exc.transient:
-                    raise
-                rejected[child] = str(exc)
-                continue
-            live[key] = applied.object
-            outcome.actions[child] = applied.action
-        if stage == "finished":
-            # Every Job of the run: orchestrator, trainer and, with retention, the offload GC.
-            jobs = [j for j in self.api.list("Job", run.namespace, {RUN_LABEL: run.name}) if owned_by(j, run)]
-            self._release_jobs(run, jobs, outcome)
-        self._prune(run, stage, {(m["kind"], m["metadata"]["name"]) for m in built}, outcome)
-        if stage == "expired":
-            live.update({key: None for key in live if key[0] != "PersistentVolumeClaim"})
+        ended = run_ended(observed=observed(), previous=previous, deadline_exceeded=exceeded)
+        stage = stage_of(spec, ended, previous, now)
+        outcome = Outcome(body, previous, [])
+        self._create_once(run, spec, stage, outcome)
+        built = catalogue.build(run, spec, stage=stage, pod_monitor=self.pod_monitor)
+        outcome.applying = self._apply(run, built, live, outcome)
+        for kind in catalogue.suspended_kinds(stage):
+            self._release(run, kind, outcome)
+        self._remove_once(run, spec, stage)
+        self._prune(run, stage, {b.key for b in built}, outcome)
+        for role, child in catalogue.observed():
+            if catalogue.gone_in(child, stage):  # deleted in the foreground this pass: gone for the status
+                live[observed_keys[role]] = None
 
-        outcome.applying = Applying(
-            rejected=rejected, recreating=tuple(recreating), unavailable=tuple(unavailable)
-        )
         status = derive_status(
             suspend=spec.suspend,
             generation=generation,
@@ -291,6 +239,54 @@ class Reconciler:
         outcome.transitions = [*_child_transitions(outcome.actions), *transitions(previous, status)]
         return outcome
 
+    def _apply(
+        self,
+        run: RunRef,
+        built: list[Built],
+        live: dict[tuple[str, str], dict[str, Any] | None],
+        outcome: Outcome,
+    ) -> Applying:
+        """Server-side apply every built child (`live` is updated); what the server refused, the Jobs
+        being replaced and the children whose API is not served are how it went."""
+        rejected: dict[str, str] = {}
+        recreating: list[str] = []
+        unavailable: list[str] = []
+        for child in built:
+            manifest, key = child.manifest, child.key
+            name = "/".join(key)
+            if key not in live:
+                live[key] = self.api.get(key[0], run.namespace, key[1])
+            current = live[key]
+            is_job = child.child.kind == "Job"
+            if is_job and current is not None:
+                replacing = self._replacing(run, manifest, current)
+                if replacing:
+                    recreating.append(name)
+                    if replacing == "deleted":
+                        outcome.actions[name] = "deleted"
+                    continue
+                manifest["spec"]["suspend"] = job_suspend(manifest, current)
+                # A precondition: if a queue changed the Job since it was read, the server says 409 (retried).
+                manifest["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+            try:
+                applied = apply(self.api, manifest, current)
+            except ApiError as exc:
+                if child.child.optional_api and exc.status == 404:
+                    unavailable.append(name)
+                    continue
+                if exc.status == 409 and is_job:
+                    # The Job changed since it was read (its controller, a queue): the rest of the pass
+                    # and the status go on; the Job is applied again on the next, soon.
+                    outcome.retry_soon = True
+                    continue
+                if exc.transient:
+                    raise
+                rejected[name] = str(exc)
+                continue
+            live[key] = applied.object
+            outcome.actions[name] = applied.action
+        return Applying(rejected=rejected, recreating=tuple(recreating), unavailable=tuple(unavailable))
+
     def _replacing(self, run: RunRef, manifest: dict[str, Any], live: dict[str, Any]) -> str | None:
         """None for a Job that stays; "deleting" for one on its way out, "deleted" for one deleted now
         because what it runs changed (a Job's template is immutable). Foreground deletion keeps the Job
@@ -303,31 +299,33 @@ class Reconciler:
         self.api.delete("Job", run.namespace, meta["name"], uid=meta.get("uid"))
         return "deleted"
 
-    def _release_jobs(self, run: RunRef, jobs: list[dict[str, Any]], outcome: Outcome) -> None:
+    def _release(self, run: RunRef, kind: str, outcome: Outcome) -> None:
         """A finished run's surviving Jobs (the trainer failed, the orchestrator still waits, the offload
-        GC watches) are suspended: their pods go, they stay for their logs and counts."""
-        for job in jobs:
-            if job_finished(job) or (job.get("spec") or {}).get("suspend"):
+        GC watches), every one of the run's, are suspended: their pods go, they stay for their logs and
+        counts."""
+        for job in self.api.list(kind, run.namespace, {RUN_LABEL: run.name}):
+            if not owned_by(job, run) or job_finished(job) or (job.get("spec") or {}).get("suspend"):
                 continue
             name = job["metadata"]["name"]
-            self.api.patch("Job", run.namespace, name, {"spec": {"suspend": True}})
-            outcome.actions[f"Job/{name}"] = "suspended"
+            self.api.patch(kind, run.namespace, name, {"spec": {"suspend": True}})
+            outcome.actions[f"{kind}/{name}"] = "suspended"
 
-    def _prune(
-        self, run: RunRef, stage: builders.Stage, built: set[tuple[str, str]], outcome: Outcome
-    ) -> None:
-        """Delete the run's children of the pruned kinds that are no longer built. A finished run keeps its
-        Jobs (their logs); the weights Secret goes (by name: the operator may not list Secrets) only with an
-        expired run."""
-        if stage == "expired" and (run.namespace, run.name, run.uid) not in self._expired:
-            self.api.delete("Secret", run.namespace, child_name(run.name, "weights"))
-            self._secrets.discard((run.namespace, run.name, run.uid))
-            self._expired.add((run.namespace, run.name, run.uid))
-        for kind in PRUNED_KINDS:
-            if kind == "Job" and stage == "finished":
+    def _remove_once(self, run: RunRef, spec: RLRunSpec, stage: Stage) -> None:
+        """Delete, by name (the operator may not list Secrets), the created-once children of a run that
+        left their stages: the weights Secret goes only with an expired run."""
+        for child in catalogue.removed_once(stage):
+            name = child.name(run, spec)
+            key = (run.namespace, run.name, run.uid, child.kind, name)
+            if key in self._removed:
                 continue
-            if kind == "PodMonitor" and not self.pod_monitor.enabled:
-                continue  # none are built, and the chart then grants no right to list them
+            self.api.delete(child.kind, run.namespace, name)
+            self._created.discard(key)
+            self._removed.add(key)
+
+    def _prune(self, run: RunRef, stage: Stage, built: set[tuple[str, str]], outcome: Outcome) -> None:
+        """Delete the run's children of the pruned kinds that are no longer built (a finished run's Jobs
+        stay, suspended, for their logs)."""
+        for kind in catalogue.pruned_kinds(stage, self.pod_monitor):
             try:
                 children = self.api.list(kind, run.namespace, {RUN_LABEL: run.name})
             except ApiError as exc:

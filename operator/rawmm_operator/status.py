@@ -85,6 +85,10 @@ class RLRunStatus(StatusModel):
         return next((c for c in self.conditions if c.type == type_), None)
 
 
+# The children the status reads (`Observed`'s fields): `rawmm_operator.catalogue` says which child is which.
+ObservedAs = Literal["claim", "engines", "orchestrator", "trainer"]
+
+
 @dataclass(frozen=True)
 class Observed:
     """The children the status is derived from, as read from the API (None = not found)."""
@@ -167,6 +171,44 @@ def _reconciled(applying: Applying) -> _Check:
     return _Check("Reconciled", True, "Applied", "every child is as the spec says")
 
 
+def _ending(
+    orchestrator: JobSummary,
+    orchestrator_message: str,
+    trainer: JobSummary,
+    trainer_message: str,
+    deadline_exceeded: bool,
+) -> tuple[_Check, bool]:
+    """The `Failed` condition and whether the trainer succeeded: what ends a run."""
+    succeeded = trainer.state == "Succeeded"
+    if trainer.state == "Failed":
+        failed = _Check("Failed", True, "TrainerFailed", trainer_message)
+    elif deadline_exceeded and not succeeded:
+        failed = _Check(
+            "Failed", True, "DeadlineExceeded", "the run did not finish within activeDeadlineSeconds"
+        )
+    elif orchestrator.state == "Failed":
+        failed = _Check("Failed", True, "OrchestratorFailed", orchestrator_message)
+    else:
+        failed = _Check("Failed", False, "NoFailure", "")
+    return failed, succeeded
+
+
+def _sticky(previous: RLRunStatus) -> bool:
+    """A terminal phase stays, unless it was an invalid spec (fixed by the next generation)."""
+    return previous.phase in TERMINAL_PHASES and previous.reason != INVALID_SPEC
+
+
+def run_ended(*, observed: Observed, previous: RLRunStatus, deadline_exceeded: bool) -> bool:
+    """Whether `derive_status` would give a terminal phase (Succeeded or Failed) for these children:
+    what the reconciler needs before it converges them, without deriving the whole status twice."""
+    orchestrator, orchestrator_message = job_summary(observed.orchestrator)
+    trainer, trainer_message = job_summary(observed.trainer)
+    failed, succeeded = _ending(
+        orchestrator, orchestrator_message, trainer, trainer_message, deadline_exceeded
+    )
+    return _sticky(previous) or failed.ok or succeeded
+
+
 def derive_status(
     *,
     suspend: bool,
@@ -237,25 +279,17 @@ def derive_status(
         "OrchestratorRunning", orchestrator.state == "Running", orchestrator.state, orchestrator_message
     )
     training = _Check("TrainerRunning", trainer.state == "Running", trainer.state, trainer_message)
-    succeeded = trainer.state == "Succeeded"
+    failed, succeeded = _ending(
+        orchestrator, orchestrator_message, trainer, trainer_message, deadline_exceeded
+    )
     complete = _Check(
         "Complete",
         succeeded,
         "TrainerSucceeded" if succeeded else "InProgress",
         "the trainer finished every step" if succeeded else "the run has not finished",
     )
-    if trainer.state == "Failed":
-        failed = _Check("Failed", True, "TrainerFailed", trainer_message)
-    elif deadline_exceeded and not succeeded:
-        failed = _Check(
-            "Failed", True, "DeadlineExceeded", "the run did not finish within activeDeadlineSeconds"
-        )
-    elif orchestrator.state == "Failed":
-        failed = _Check("Failed", True, "OrchestratorFailed", orchestrator_message)
-    else:
-        failed = _Check("Failed", False, "NoFailure", "")
 
-    sticky = previous.phase in TERMINAL_PHASES and previous.reason != INVALID_SPEC
+    sticky = _sticky(previous)
     if sticky:
         phase: Phase = previous.phase
     elif failed.ok:

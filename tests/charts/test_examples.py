@@ -24,7 +24,7 @@ def rlruns(path: Path) -> list[dict[str, Any]]:
 
 def operator_children(run: dict[str, Any]) -> list[dict[str, Any]]:
     """What the operator's builders make of an RLRun."""
-    from rawmm_operator.builders import build_children
+    from rawmm_operator.catalogue import build_children
     from rawmm_operator.objects import RunRef
     from rawmm_operator.reconcile import parse_spec
 

@@ -9,7 +9,7 @@ from monitoring_helpers import REPO, dashboards, rule_groups
 
 
 def _children() -> list[dict]:
-    from rawmm_operator.builders import build_children
+    from rawmm_operator.catalogue import build_children
     from rawmm_operator.children.monitoring import PodMonitorSettings
     from rawmm_operator.objects import RunRef
     from rawmm_operator.reconcile import parse_spec

@@ -16,7 +16,7 @@ import yaml
 from kube.cluster import KubeCluster, OperatorProcess, wait_for
 from kube.installs import RELEASE_NAMESPACE, helm_release
 
-from rawmm_operator.builders import build_children
+from rawmm_operator.catalogue import build_children
 from rawmm_operator.objects import RUN_LABEL, RunRef
 from rawmm_operator.spec import parse_spec
 

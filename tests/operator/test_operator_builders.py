@@ -10,7 +10,7 @@ from operator_samples import CPU_ONLY, EXISTING_CLAIM, ISSUE_EXAMPLE, MULTI_GPU,
 from rawmm.config import RunConfig
 from rawmm.config.quantity import parse_byte_size
 from rawmm.config.serve_argv import serve_argv
-from rawmm_operator.builders import build_children
+from rawmm_operator.catalogue import build_children
 from rawmm_operator.children.config import build_weights_secret
 from rawmm_operator.children.monitoring import PodMonitorSettings
 from rawmm_operator.objects import RUN_LABEL, RunRef

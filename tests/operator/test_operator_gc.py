@@ -17,7 +17,7 @@ from test_operator_progress import PodList, pod
 
 from rawmm.config import RunConfig
 from rawmm.contract.gc import GCReport
-from rawmm_operator.builders import build_children
+from rawmm_operator.catalogue import build_children
 from rawmm_operator.handlers import LoopTiming
 from rawmm_operator.objects import RUN_LABEL
 from rawmm_operator.pods import TEMPLATE_HASH

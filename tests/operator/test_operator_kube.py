@@ -8,7 +8,7 @@ import pytest
 from kube.emulator import Cluster, emulated_cluster
 from operator_samples import ISSUE_EXAMPLE, rlrun
 
-from rawmm_operator.builders import build_children
+from rawmm_operator.catalogue import build_children
 from rawmm_operator.kube import ApiError, KubeApi, merge_patch
 from rawmm_operator.objects import RunRef
 from rawmm_operator.spec import parse_spec

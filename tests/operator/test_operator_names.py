@@ -15,7 +15,7 @@ from test_operator_builders import pod_spec
 
 from rawmm.config import RunConfig
 from rawmm_operator import names
-from rawmm_operator.builders import build_children
+from rawmm_operator.catalogue import build_children
 from rawmm_operator.children.config import build_weights_secret
 from rawmm_operator.kube import KubeApi
 from rawmm_operator.names import SUFFIXES, Child, child_name, engine_pod

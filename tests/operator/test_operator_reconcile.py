@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from operator_samples import ISSUE_EXAMPLE, merged
 
-from rawmm_operator.builders import build_children
+from rawmm_operator.catalogue import build_children
 from rawmm_operator.objects import RunRef
 from rawmm_operator.pods import RUN_SUSPEND, job_suspend
 from rawmm_operator.reconcile import newest_event, stage_of
@@ -62,19 +62,19 @@ def test_stage_follows_the_phase_and_the_ttl() -> None:
     with_ttl = parse_spec("exp", merged(ISSUE_EXAMPLE, {"ttlSecondsAfterFinished": 0}))
     running = RLRunStatus(phase="Running")
     done = RLRunStatus(phase="Succeeded", completion_time=T0)
-    assert stage_of(spec, running, running, T1) == "active"
-    assert stage_of(spec, done, done, T1) == "finished"  # no TTL: its children stay
+    assert stage_of(spec, False, running, T1) == "active"
+    assert stage_of(spec, True, done, T1) == "finished"  # no TTL: its children stay
     # the pass that first sees the end records it; only a later one deletes (else the phase would be
     # derived from the deleted children, and the next pass recreate them)
-    assert stage_of(with_ttl, done, running, T0) == "finished"
-    assert stage_of(with_ttl, done, done, T0) == "expired"
+    assert stage_of(with_ttl, True, running, T0) == "finished"
+    assert stage_of(with_ttl, True, done, T0) == "expired"
     later = parse_spec("exp", merged(ISSUE_EXAMPLE, {"ttlSecondsAfterFinished": 600}))
-    assert stage_of(later, done, done, "2026-01-01T00:09:59Z") == "finished"
-    assert stage_of(later, done, done, T1) == "expired"
+    assert stage_of(later, True, done, "2026-01-01T00:09:59Z") == "finished"
+    assert stage_of(later, True, done, T1) == "expired"
     failed = RLRunStatus(phase="Failed", completion_time=T0)
-    assert stage_of(later, failed, failed, T1) == "expired"
+    assert stage_of(later, True, failed, T1) == "expired"
     invalid = RLRunStatus(phase="Failed", reason="InvalidSpec", completion_time=T0)
-    assert stage_of(later, failed, invalid, T1) == "finished"  # an invalid spec is no finished run
+    assert stage_of(later, True, invalid, T1) == "finished"  # an invalid spec is no finished run
 
 
 def test_the_newest_event_says_why() -> None:

@@ -5,11 +5,14 @@ from typing import Any
 import pytest
 
 from rawmm_operator.status import (
+    INVALID_SPEC,
+    TERMINAL_PHASES,
     Applying,
     Observed,
     RLRunStatus,
     derive_status,
     invalid_spec_status,
+    run_ended,
     transitions,
 )
 
@@ -225,3 +228,28 @@ def test_a_job_suspended_by_a_queue_waits_for_admission() -> None:
     )
     own = derive(observed(orchestrator=job(suspend=True), trainer=job(suspend=True)), suspend=True)
     assert own.phase == "Suspended"
+
+
+@pytest.mark.parametrize("orchestrator", ["Running", "Failed", "Succeeded", "Suspended"])
+@pytest.mark.parametrize("trainer", ["Running", "Failed", "Succeeded", "Suspended", None])
+@pytest.mark.parametrize("previous", ["Running", "Succeeded", "Failed", INVALID_SPEC])
+@pytest.mark.parametrize("deadline_exceeded", [False, True])
+def test_run_ended_is_whether_the_derived_phase_is_terminal(
+    orchestrator: str, trainer: str | None, previous: str, deadline_exceeded: bool
+) -> None:
+    """The reconciler picks the run's stage with `run_ended` before the pass, and derives the status once,
+    after it: the two must agree."""
+    state = {"Running": job(active=1), "Suspended": job(suspend=True), None: None}
+    state |= {
+        ending: job(condition="Complete" if ending == "Succeeded" else ending)
+        for ending in ("Failed", "Succeeded")
+    }
+    before = (
+        RLRunStatus(phase="Failed", reason=INVALID_SPEC)
+        if previous == INVALID_SPEC
+        else RLRunStatus(phase=previous)  # type: ignore[arg-type]
+    )
+    obs = observed(orchestrator=state[orchestrator], trainer=state[trainer])
+    derived = derive(obs, before, deadline_exceeded=deadline_exceeded)
+    ended = run_ended(observed=obs, previous=before, deadline_exceeded=deadline_exceeded)
+    assert ended is (derived.phase in TERMINAL_PHASES)

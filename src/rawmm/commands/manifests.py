@@ -59,7 +59,7 @@ def _render(path: Path) -> str:
     import yaml
 
     from rawmm.config import UniqueKeyLoader, yaml_error_line
-    from rawmm_operator.builders import build_children
+    from rawmm_operator.catalogue import build_children
     from rawmm_operator.objects import run_ref
     from rawmm_operator.spec import InvalidSpec, parse_spec
 
