@@ -105,7 +105,7 @@ def test_layout_matches_describe(capsys: pytest.CaptureFixture[str]) -> None:
     for row, (w, h) in zip(rows, [(1920, 1080), (1, 1)], strict=True):
         layout = kimi.describe(width=w, height=h, config=kimi.preset("kimi_k25"))
         assert row["grid_thw"] == list(layout.grid_thw)
-        assert (row["placeholder_tokens"], row["vision_tokens"]) == (1, layout.num_vision_tokens)
+        assert row["placeholder_tokens"] == row["vision_tokens"] == layout.num_vision_tokens
     code, out, _ = run_cli(capsys, "layout", "--preset", "qwen2_vl", "1920x1080")
     assert code == 0 and out.strip() == (
         "1920x1080 -> resized 1932x1092, grid [1, 78, 138], 2691 placeholder tokens, 2691 vision tokens"

@@ -241,7 +241,9 @@ def kimi_like_tokenizer() -> Any:
     return tokenizer
 
 
-def test_kimi_renders_one_media_pad_per_image_under_vision_chunk(offload_store: OffloadStore) -> None:
+def test_kimi_expands_each_media_pad_to_one_per_vision_token_under_vision_chunk(
+    offload_store: OffloadStore,
+) -> None:
     tokenizer = kimi_like_tokenizer()
     config = kimi.preset("kimi_k25")
     pictures = images()
@@ -249,9 +251,13 @@ def test_kimi_renders_one_media_pad_per_image_under_vision_chunk(offload_store: 
         multi_turn_chat(pictures), tokenizer=tokenizer, family=kimi, config=config, store=offload_store
     )
     pad = tokenizer.convert_tokens_to_ids("<|media_pad|>")
-    assert [image.length for image in rendered.images] == [1, 1, 1, 1]
-    assert [rendered.token_ids[image.offset] for image in rendered.images] == [pad] * 4
-    assert runs_of_ones(rendered.mm_token_type_ids) == [(image.offset, 1) for image in rendered.images]
+    # The template wrote one <|media_pad|> per image; the prompt holds what the processors expand it to.
+    grids = [kimi.grid_from_payload(image.descriptor.payload) for image in rendered.images]
+    tokens = [t * h * w // config.merge_size**2 for t, h, w in grids]
+    assert [image.length for image in rendered.images] == tokens and max(tokens) > 1
+    for image in rendered.images:
+        assert rendered.token_ids[image.offset : image.offset + image.length] == [pad] * image.length
+    assert runs_of_ones(rendered.mm_token_type_ids) == [(i.offset, i.length) for i in rendered.images]
     features = rendered.features()
     assert set(features["kwargs_data"]) == {"vision_chunk"}
     first = parse_ref(features["kwargs_data"]["vision_chunk"][0])

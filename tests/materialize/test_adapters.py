@@ -75,8 +75,8 @@ def test_kimi_engine_item_is_filed_under_vision_chunk(
 ) -> None:
     loaded = load_processor(kimi_checkpoint)
     ref = make_ref(noise(300, 120), loaded)
-    item = engine_item(ref, loaded, offload_store, placeholder_length=1)
     t, h, w = ref.payload["grid_thws"][0]
+    item = engine_item(ref, loaded, offload_store, placeholder_length=t * h * w // 4)  # one per vision token
     assert item.modality == "vision_chunk"
     assert item.tensors["grid_thws"].tolist() == [t, h, w]
     assert item.tensors["pixel_values"].shape == (t * h * w, 3, 14, 14)

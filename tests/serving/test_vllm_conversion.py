@@ -129,7 +129,7 @@ def test_qwen_engine_input_keeps_the_prompt_and_carries_hashes_and_placeholders(
     prompt = [1, 2, 3, 4]
     for image in inputs:
         prompt += [pad] * image.feature.length + [7, 8, 9]
-    engine_input = vllm.engine.build_engine_input(prompt, inputs, loaded)
+    engine_input = vllm.engine.build_engine_input(prompt, inputs)
     assert engine_input["type"] == "multimodal"
     assert engine_input["prompt_token_ids"] == prompt
     assert engine_input["mm_hashes"] == {"image": [i.feature.ref.mm_hash for i in inputs]}
@@ -139,35 +139,26 @@ def test_qwen_engine_input_keeps_the_prompt_and_carries_hashes_and_placeholders(
     assert list(engine_input["mm_kwargs"]) == ["image"] and len(engine_input["mm_kwargs"]["image"]) == 2
 
 
-def test_kimi_single_placeholders_expand_to_one_token_per_vision_embedding(
+def test_kimi_prompts_pass_through_with_their_spans_under_vision_chunk(
     vllm: SimpleNamespace, kimi_checkpoint: Path, offload_store: OffloadStore
 ) -> None:
+    """A Kimi prompt holds one <|media_pad|> per vision embedding, as vLLM's own Kimi-K2.5 processor expands
+    it: the engine input is the prompt itself, its spans the features' (no second expansion)."""
     loaded = load_processor(kimi_checkpoint)
     inputs = inputs_for(offload_store, loaded, [(60, 40), (100, 30)], first_offset=2)
-    assert [i.feature.length for i in inputs] == [1, 1]
-    pad = 9000
-    prompt = [1, 2, pad, 7, 8, 9, pad, 7, 8, 9]
-    engine_input = vllm.engine.build_engine_input(prompt, inputs, loaded)
     counts = [int(i.item.tensors["grid_thws"].prod()) // 4 for i in inputs]
-    assert engine_input["prompt_token_ids"] == [
-        1,
-        2,
-        *[pad] * counts[0],
-        7,
-        8,
-        9,
-        *[pad] * counts[1],
-        7,
-        8,
-        9,
-    ]
+    assert [i.feature.length for i in inputs] == counts and max(counts) > 1
+    pad = 9000
+    prompt = [1, 2, *[pad] * counts[0], 7, 8, 9, *[pad] * counts[1], 7, 8, 9]
+    engine_input = vllm.engine.build_engine_input(prompt, inputs)
+    assert engine_input["prompt_token_ids"] == prompt
     spans = [(p.offset, p.length) for p in engine_input["mm_placeholders"]["vision_chunk"]]
     assert spans == [(2, counts[0]), (2 + counts[0] + 3, counts[1])]
     assert list(engine_input["mm_kwargs"]) == ["vision_chunk"]
 
 
 def test_text_only_prompts_and_sampling_params(vllm: SimpleNamespace) -> None:
-    text_only = vllm.engine.build_engine_input([5, 6, 7], [], processor=None)  # type: ignore[arg-type]
+    text_only = vllm.engine.build_engine_input([5, 6, 7], [])
     assert text_only["type"] == "token" and text_only["prompt_token_ids"] == [5, 6, 7]
     params = vllm.engine.to_sampling_params(Sampling(max_tokens=7, temperature=0.5, top_p=0.9, seed=3))
     assert (params.max_tokens, params.temperature, params.top_p, params.seed) == (7, 0.5, 0.9, 3)

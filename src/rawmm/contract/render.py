@@ -1,8 +1,9 @@
 """Rendering a multimodal chat into token ids with image placeholders, from the layout math alone.
 
 The tokenizer's chat template renders one image marker per image part; each marker is then expanded
-to the family's placeholder tokens (Qwen: N x ``<|image_pad|>`` between vision start/end; Kimi: the
-single ``<|media_pad|>``). No image processor runs: the grid comes from width, height and the config.
+to the family's placeholder tokens (Qwen: N x ``<|image_pad|>`` between vision start/end; Kimi: N x
+``<|media_pad|>``, as its processors expand it). No image processor runs: the grid comes from width,
+height and the config.
 Sizes are those of the stored image as decoded, with no EXIF transpose — exactly what the
 materializers hand to the processor.
 """

@@ -48,7 +48,7 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from rawmm.contract.engine_api import Sampling
-from rawmm.materialize import EngineItem, FieldKind, LoadedProcessor, get_adapter
+from rawmm.materialize import EngineItem, FieldKind, LoadedProcessor
 from rawmm.serving import metrics
 from rawmm.serving.engine import Engine, EngineUnavailable, Generation, ImageInput, InvalidRequest
 
@@ -68,40 +68,27 @@ def to_vllm_item(item: EngineItem) -> MultiModalKwargsItem:
     return MultiModalKwargsItem(elems)
 
 
-def vision_token_count(image: ImageInput, processor: LoadedProcessor) -> int:
-    """Embeddings the vision tower emits for one image: grid patches / merge²."""
-    grid = image.item.tensors[get_adapter(processor.family.name).grid_key]
-    return int(grid.prod()) // int(processor.config.merge_size) ** 2
-
-
-def build_engine_input(token_ids: list[int], images: Sequence[ImageInput], processor: LoadedProcessor) -> Any:
+def build_engine_input(token_ids: list[int], images: Sequence[ImageInput]) -> Any:
     """vLLM's engine input for a prompt and its materialized images (prompt order).
 
-    vLLM wants one placeholder token per vision embedding. Qwen prompts already hold that many; a Kimi
-    prompt holds one ``<|media_pad|>`` per image (docs/architecture.md §3.4), which is expanded here as
-    vLLM's own Kimi-K2.5 processor would, shifting every later offset.
+    The prompt already holds one placeholder token per vision embedding, the length vLLM's own processors
+    expand an image to (Qwen's ``<|image_pad|>`` run, Kimi's ``<|media_pad|>`` run: docs/architecture.md
+    §3.4), and materialization checked each span against its image's grid; so spans pass through as they are.
     """
     if not images:
         return tokens_input(list(token_ids))
-    prompt: list[int] = []
     kwargs: dict[str, list[MultiModalKwargsItem]] = {}
     hashes: dict[str, list[str]] = {}
     placeholders: dict[str, list[PlaceholderRange]] = {}
-    cursor = 0
     for image in sorted(images, key=lambda image: image.feature.offset):
         feature = image.feature
-        prompt.extend(token_ids[cursor : feature.offset])
-        length = vision_token_count(image, processor)
         placeholders.setdefault(feature.modality, []).append(
-            PlaceholderRange(offset=len(prompt), length=length)
+            PlaceholderRange(offset=feature.offset, length=feature.length)
         )
-        prompt.extend([token_ids[feature.offset]] * length)
-        cursor = feature.offset + feature.length
         kwargs.setdefault(feature.modality, []).append(to_vllm_item(image.item))
         hashes.setdefault(feature.modality, []).append(feature.ref.mm_hash)
-    prompt.extend(token_ids[cursor:])
     return mm_input(
-        prompt_token_ids=prompt,
+        prompt_token_ids=list(token_ids),
         mm_kwargs=MultiModalKwargsItems(kwargs),
         mm_hashes=hashes,
         mm_placeholders=placeholders,
@@ -203,11 +190,11 @@ class VllmEngine(Engine):
         self, token_ids: list[int], images: Sequence[ImageInput], sampling: Sampling
     ) -> Generation:
         params = to_sampling_params(sampling)
-        engine_input = build_engine_input(token_ids, images, self.processor)
-        expanded = len(engine_input["prompt_token_ids"])
-        if expanded + sampling.max_tokens > self.max_model_len:  # Kimi prompts grow by the expansion
+        engine_input = build_engine_input(token_ids, images)
+        prompt_length = len(engine_input["prompt_token_ids"])
+        if prompt_length + sampling.max_tokens > self.max_model_len:
             raise InvalidRequest(
-                f"{expanded} prompt tokens (image placeholders expanded) + max_tokens {sampling.max_tokens} "
+                f"{prompt_length} prompt tokens + max_tokens {sampling.max_tokens} "
                 f"exceed the model's {self.max_model_len}-token context",
                 reason="prompt_too_long",
             )
@@ -221,9 +208,7 @@ class VllmEngine(Engine):
                 # the sender cache, so the retry carries their data.
                 log.warning("engine-core multimodal cache miss; resending the request with its items")
                 metrics.ENGINE_CORE_RESENDS.inc()
-                final = await self._generate_once(
-                    build_engine_input(token_ids, images, self.processor), params
-                )
+                final = await self._generate_once(build_engine_input(token_ids, images), params)
         if final is None or not final.outputs:
             raise RuntimeError("vLLM returned no output")
         completion = final.outputs[0]

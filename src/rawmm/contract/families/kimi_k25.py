@@ -1,7 +1,12 @@
-"""Kimi K2.5: navit resize bounded by patch limits, padded to patch*merge, ONE ``<|media_pad|>`` token.
+"""Kimi K2.5: navit resize bounded by patch limits, padded to patch*merge, one ``<|media_pad|>`` per vision token.
 
-No Kimi processor ships with transformers; the math follows the published K2.5 media processor
-(``media_proc_cfg`` in the checkpoint's preprocessor config) and vLLM's Kimi-K2.5 support.
+The math follows the published K2.5 media processor (``media_proc_cfg`` in the checkpoint's preprocessor
+config), which vLLM 0.32 runs, and transformers' own ``Kimi_K25ImageProcessor`` (tests hold all three
+equal). The chat template writes one ``<|media_pad|>`` per image; every processor then expands it to one
+token per vision embedding (grid patches / merge²) before the model sees the prompt: the published and
+vLLM's ``KimiK25Processor``, transformers' ``Kimi_K25Processor``. The prompt a rawmm ref belongs to is
+that expanded one, as for Qwen, so the trainer and the transformers engine forward exactly the tokens
+vLLM runs, and positions after an image are the same everywhere.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class KimiK25Family(Family[KimiK25Config]):
     model_types = ("kimi_k25",)
     # Kimi checkpoints with remote code may name another model_type; their processor config says Kimi.
     preprocessor_markers = ("media_proc_cfg",)
+    # vLLM's Kimi-K2.5 path runs the published processor (its fused copy): PIL's bicubic resize.
+    default_backend = "pil"
     preset_names = KimiK25Preset
     presets = {"kimi_k25": KimiK25Config()}
 
@@ -91,11 +98,12 @@ class KimiK25Family(Family[KimiK25Config]):
         padded_w = math.ceil(new_w / factor) * factor
         padded_h = math.ceil(new_h / factor) * factor
         grid = (1, padded_h // patch, padded_w // patch)
+        tokens = grid[1] * grid[2] // config.merge_size**2
         return Layout(
             grid_thw=grid,
             resized=(new_h, new_w),
-            num_placeholder_tokens=1,
-            num_vision_tokens=grid[1] * grid[2] // config.merge_size**2,
+            num_placeholder_tokens=tokens,  # the expanded prompt's (see the module docstring)
+            num_vision_tokens=tokens,
         )
 
     def payload(self, layout: Layout) -> dict[str, Any]:
