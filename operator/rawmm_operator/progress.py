@@ -15,11 +15,14 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from rawmm_operator.children.jobs import GC_COMPONENT
+from rawmm_operator.children.engines import COMPONENT as ENGINE_COMPONENT
+from rawmm_operator.children.jobs import GC_COMPONENT, TRAINER_COMPONENT
 from rawmm_operator.kube import KubeApi
 from rawmm_operator.objects import COMPONENT_LABEL, RUN_LABEL
 from rawmm_operator.status import OffloadUsage, Progress
 
+# The names the trainer, the engines and the GC process export: the operator may not import their metric
+# modules, so tests/operator/test_operator_progress.py checks these against the definitions.
 TRAINER_STEP = "rawmm_trainer_step"
 CACHE_HITS = "rawmm_materialize_cache_hits_total"
 CACHE_MISSES = "rawmm_materialize_cache_misses_total"
@@ -98,15 +101,17 @@ class ProgressReader:
 
     def read(self, namespace: str, run: str, previous: Progress) -> Progress:
         pods = self.api.list("Pod", namespace, {RUN_LABEL: run})
-        by_component: dict[str, list[str]] = {"engine": [], "trainer": [], GC_COMPONENT: []}
+        by_component: dict[str, list[str]] = {ENGINE_COMPONENT: [], TRAINER_COMPONENT: [], GC_COMPONENT: []}
         for pod in pods:
             component = pod.get("metadata", {}).get("labels", {}).get(COMPONENT_LABEL)
-            url = metrics_url(pod, "http" if component == "engine" else "metrics")
+            url = metrics_url(pod, "http" if component == ENGINE_COMPONENT else "metrics")
             if component in by_component and url:
                 by_component[component].append(url)
         with httpx.Client(timeout=self.timeout) as client:
-            trainer = self._scrape(client, by_component["trainer"], {TRAINER_STEP})
-            engines = self._scrape(client, by_component["engine"], {CACHE_HITS, CACHE_MISSES, CACHE_JOINS})
+            trainer = self._scrape(client, by_component[TRAINER_COMPONENT], {TRAINER_STEP})
+            engines = self._scrape(
+                client, by_component[ENGINE_COMPONENT], {CACHE_HITS, CACHE_MISSES, CACHE_JOINS}
+            )
             gc = self._scrape(
                 client,
                 by_component[GC_COMPONENT],

@@ -10,10 +10,42 @@ import pytest
 from kube.emulator import Cluster, emulated_cluster, running_operator
 from operator_samples import CPU_ONLY, RLRUNS_URL, eventually, rlrun, run_status
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.metrics import MetricWrapperBase
 
+from rawmm.materialize import metrics as materialize_metrics
+from rawmm.rl.retention import metrics as retention_metrics
+from rawmm.rl.trainer import metrics as trainer_metrics
+from rawmm_operator import progress
 from rawmm_operator.handlers import LoopTiming
 from rawmm_operator.progress import CACHE_HITS, ProgressReader, metrics_url, sample_sums
 from rawmm_operator.status import Progress
+
+# What the operator reads (`rawmm_operator.progress`, which may not import rawmm's metric modules) -> the
+# metric that exports it: the trainer's step, the engines' cache counters, the GC process's volume usage.
+READ_FROM: dict[str, MetricWrapperBase] = {
+    progress.TRAINER_STEP: trainer_metrics.STEP,
+    progress.CACHE_HITS: materialize_metrics.CACHE_HITS,
+    progress.CACHE_MISSES: materialize_metrics.CACHE_MISSES,
+    progress.CACHE_JOINS: materialize_metrics.CACHE_INFLIGHT_JOINS,
+    progress.OFFLOAD_BYTES: retention_metrics.OFFLOAD_BYTES,
+    progress.OFFLOAD_FILES: retention_metrics.OFFLOAD_FILES,
+    progress.GC_FREED_BYTES: retention_metrics.GC_FREED_BYTES,
+    progress.GC_LAST_RUN: retention_metrics.GC_LAST_RUN,
+}
+
+
+def test_every_metric_the_operator_reads_is_mapped_to_its_definition() -> None:
+    read = {
+        value for name, value in vars(progress).items() if name.isupper() and str(value).startswith("rawmm_")
+    }
+    assert read == set(READ_FROM)
+
+
+@pytest.mark.parametrize("name", sorted(READ_FROM))
+def test_the_operator_reads_each_metric_under_the_name_its_process_exports(name: str) -> None:
+    """Renaming a trainer, engine or GC metric without `progress.py` would silently freeze the status."""
+    exported = {sample.name for family in READ_FROM[name].collect() for sample in family.samples}
+    assert name in exported
 
 
 def test_sample_sums_add_up_every_label_set() -> None:
