@@ -83,6 +83,8 @@ def test_kimi_engine_item_is_filed_under_vision_chunk(
     assert get_adapter("kimi_k25").forward_policy == ForwardPolicy(
         pass_position_ids=True, requires_mm_token_type_ids=False
     )
+    # transformers' Kimi_K25ForConditionalGeneration names the grid image_grid_thw; vLLM's grid_thws.
+    assert get_adapter("kimi_k25").model_kwargs(item.tensors).keys() == {"pixel_values", "image_grid_thw"}
 
 
 def test_a_grid_the_processor_does_not_produce_is_a_grid_mismatch(

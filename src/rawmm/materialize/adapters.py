@@ -11,7 +11,8 @@ another family or modality, another processor fingerprint, another grid, another
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -32,8 +33,16 @@ class FamilyAdapter(ABC):
     """Materialization for one model family. Stateless; one shared instance per family."""
 
     family_name: ClassVar[str]
-    grid_key: ClassVar[str]  # the model kwarg holding the per-image grids
+    grid_key: ClassVar[str]  # the engine item's field holding the per-image grids (vLLM's processor's name)
     forward_policy: ClassVar[ForwardPolicy]
+    # Item field -> transformers model kwarg, where the two names differ (Kimi's grid: vLLM's model takes
+    # ``grid_thws``, transformers' ``image_grid_thw``). Items keep vLLM's names; the trainer and the
+    # transformers engine rename here.
+    model_kwarg_names: ClassVar[Mapping[str, str]] = MappingProxyType({})
+
+    def model_kwargs(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Item fields (one image's or collated) as the transformers model's kwargs."""
+        return {self.model_kwarg_names.get(key, key): value for key, value in tensors.items()}
 
     @property
     def family(self) -> Family[Any]:
@@ -148,7 +157,7 @@ class FamilyAdapter(ABC):
         *,
         normalize: bool = True,
     ) -> TrainerInputs:
-        """A batch of images (prompt order) as the model's kwargs, each image's grid checked.
+        """A batch of images (prompt order) as the transformers model's kwargs, each image's grid checked.
 
         ``normalize=False``: ``pixel_values`` stay the uint8 patches, for ``PixelNormalizer`` where they are used."""
         if len(images) != len(descriptors):
@@ -159,7 +168,7 @@ class FamilyAdapter(ABC):
             self.check_descriptor(descriptor, processor)
         outputs = self._process(processor.processor, images, normalize=normalize)
         self._check_grids(outputs[self.grid_key], descriptors)
-        return TrainerInputs(kwargs=outputs, forward_policy=self.forward_policy)
+        return TrainerInputs(kwargs=self.model_kwargs(outputs), forward_policy=self.forward_policy)
 
 
 class QwenVLAdapter(FamilyAdapter):
@@ -199,6 +208,7 @@ class KimiK25Adapter(FamilyAdapter):
     family_name = "kimi_k25"
     grid_key = "grid_thws"
     forward_policy = ForwardPolicy(pass_position_ids=True, requires_mm_token_type_ids=False)
+    model_kwarg_names = MappingProxyType({"grid_thws": "image_grid_thw"})  # Kimi_K25ForConditionalGeneration
 
     def load_image_processor(self, path: str, backend: str, trust_remote_code: bool) -> Any:
         # Our own implementation of the published preprocessing: no remote code runs.

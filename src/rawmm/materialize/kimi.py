@@ -4,8 +4,14 @@ Per image: navit resize (the family's layout math: bounded by ``in_patch_limit``
 ``patch_limit_on_one_side``) with bicubic resampling, zero-pad bottom/right to a multiple of
 patch·merge, rescale to [0, 1] and normalize with mean/std (0.5 by default), then cut into
 ``patch × patch`` patches in row-major grid order: ``pixel_values`` is ``(patches, 3, patch, patch)``
-and ``grid_thws`` is ``[[1, H/patch, W/patch]]`` per image. The ``pil`` backend resizes with PIL like
-the reference processor; ``torchvision`` resizes with torchvision's antialiased bicubic.
+and ``grid_thws`` is ``[[1, H/patch, W/patch]]`` per image.
+
+Each backend reproduces one reference bit for bit (tests/materialize/test_kimi_parity.py):
+- ``pil``: the published processor as vLLM 0.32 runs it (``KimiK25FusedVisionProcessor``): PIL bicubic,
+  then ``(v / 255 - mean) * (1 / std)`` in float32;
+- ``torchvision``: transformers' ``Kimi_K25ImageProcessor``: torchvision's antialiased bicubic on uint8,
+  then its ``rescale_and_normalize``, which folds the rescale into mean and std. Its table is computed
+  by that very method, so the op order holds by construction.
 """
 
 from __future__ import annotations
@@ -22,6 +28,27 @@ from rawmm.contract.families import BACKENDS, KimiK25Config, get_family
 from rawmm.materialize.read import RgbPixels
 
 
+def _normalization_lut(config: KimiK25Config, backend: str) -> np.ndarray:
+    """``(256, 3)`` float32: what the backend's reference makes of each uint8 value per channel."""
+    values = np.arange(256, dtype=np.float32)[:, None]
+    mean = np.asarray(config.image_mean, dtype=np.float32)
+    std = np.asarray(config.image_std, dtype=np.float32)
+    if backend == "pil":
+        lut: np.ndarray = ((values / 255.0 - mean) * (1.0 / std)).astype(np.float32)
+        return lut
+    from transformers import Kimi_K25ImageProcessor
+
+    # Its mean/std cache (lru_cache) needs tuples, which transformers' annotation does not list.
+    reference: Any = Kimi_K25ImageProcessor(
+        image_mean=list(config.image_mean), image_std=list(config.image_std)
+    )
+    image = torch.from_numpy(np.ascontiguousarray(np.broadcast_to(values.T, (3, 256))))[None, :, None, :]
+    out = reference.rescale_and_normalize(
+        image, True, reference.rescale_factor, True, tuple(config.image_mean), tuple(config.image_std)
+    )
+    return np.ascontiguousarray(out[0, :, 0, :].numpy().T, dtype=np.float32)
+
+
 class KimiK25ImageProcessor:
     """Turns RGB images into Kimi K2.5's ``pixel_values`` and ``grid_thws``."""
 
@@ -30,10 +57,8 @@ class KimiK25ImageProcessor:
             raise ValueError(f"unknown image-processor backend {backend!r}; expected one of {BACKENDS}")
         self.config = config
         self.backend = backend
-        mean = np.asarray(config.image_mean, dtype=np.float32)
-        std = np.asarray(config.image_std, dtype=np.float32)
         # Every uint8 value of every channel, normalized once: (256, 3).
-        self._lut = ((np.arange(256, dtype=np.float32)[:, None] / 255.0 - mean) / std).astype(np.float32)
+        self._lut = _normalization_lut(config, backend)
 
     def normalization_table(self) -> torch.Tensor:
         """``(3, 256)`` float32: what normalizing makes of each uint8 value per channel (``PixelNormalizer``)."""
