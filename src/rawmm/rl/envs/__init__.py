@@ -1,4 +1,4 @@
-"""Environments: the interface (`Environment`, `Episode`, `StepResult`) and the built-in shapes tasks.
+"""Environments: the interface (`Environment`, `Episode`, `StepResult`) and the built-in tasks (shapes, colours).
 
 Plug in your own by naming `package.module:factory` as `orchestrator.environment.name` in the run
 config (the factory gets `orchestrator.environment.args` as keyword arguments), or by calling
@@ -13,9 +13,11 @@ from rawmm.rl.envs.registry import (
     register_environment,
     resolve_environment,
 )
+from rawmm.rl.envs.colours import ColoursEnvironment
 from rawmm.rl.envs.shapes import MultiTurnShapesEnvironment, ShapesEnvironment
 
 __all__ = [
+    "ColoursEnvironment",
     "Environment",
     "EnvironmentLoadError",
     "Episode",

@@ -45,6 +45,11 @@ class Episode(ABC):
     def step(self, reply: str) -> StepResult:
         """Score `reply` (the model's text) and return what the environment says next."""
 
+    def outcomes(self) -> list[tuple[str, float]]:
+        """(label, score in [0, 1]) for each reply scored so far, the label naming what was asked (e.g. the
+        correct answer): the orchestrator reports the mean score per label every step. None by default."""
+        return []
+
 
 class Environment(ABC):
     """A verifiable task: a deterministic source of episodes."""
