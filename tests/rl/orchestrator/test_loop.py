@@ -16,7 +16,7 @@ from rawmm.contract.shared_dir import CheckpointTimeout, SharedDir, batch_path, 
 from rawmm.rl.batches import read_batch, write_batch
 from rawmm.rl.envs import Environment, Episode, StepResult, load_environment
 from rawmm.rl.orchestrator.engine_client import EngineClient, RetryPolicy
-from rawmm.rl.orchestrator.loop import AllRolloutsDropped, Orchestrator
+from rawmm.rl.orchestrator.loop import AllRolloutsDropped, Orchestrator, episode_seed
 from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
 from rawmm.rl.orchestrator.replicas import ReplicaPool, rendezvous_order
 from rawmm.rl.orchestrator.rollout import PromptRenderer, RolloutId, request_seed
@@ -187,6 +187,23 @@ async def test_rewards_become_group_normalized_advantages(fake_engines, orchestr
         assert not any(a for a, on in zip(sample.advantages, sample.loss_mask, strict=True) if not on)
     assert report.reward_mean == pytest.approx(sum(r for r, _ in expected_reward.values()) / 12)
     assert metrics.registry.get_sample_value("rawmm_reward_mean") == pytest.approx(report.reward_mean)
+
+
+async def test_the_step_reports_the_score_per_answer_and_the_weight_sync_time(
+    fake_engines, orchestrator_factory, renderer_parts
+):
+    from rawmm.rl.envs import ColoursEnvironment
+
+    _, tokenizer = renderer_parts
+    engine = await fake_engines(reply=lambda body: tokenizer.encode(" red"))
+    make, _ = orchestrator_factory
+    environment = ColoursEnvironment(colours=4)
+    orchestrator = make([engine.url], environment=environment, prompts_per_step=6, rollouts_per_prompt=2)
+    report = await orchestrator.run_step(1)
+    asked = {environment.episode(episode_seed(0, 1, g)).answers[0] for g in range(6)}
+    # Always answering red: right on every red image, wrong on every other.
+    assert report.reward_by_label == {label: float(label == "red") for label in asked}
+    assert report.sync_seconds >= 0.0
 
 
 async def test_invalid_ref_drops_just_that_rollout_and_counts_it(

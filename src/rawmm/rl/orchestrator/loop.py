@@ -55,6 +55,10 @@ class StepReport:
     images_sent: int
     rollout_seconds: float
     wait_seconds: float
+    sync_seconds: float  # telling the replicas to load the newest checkpoint, until every one answered
+    # Mean score per answer label over the step's scored replies (`Episode.outcomes`); empty when the
+    # environment reports none. Shows which answers a policy gets right, not only how many.
+    reward_by_label: dict[str, float]
 
     def log_line(self) -> str:
         return json.dumps({"event": "orchestrator_step", **self.__dict__}, sort_keys=True)
@@ -99,9 +103,11 @@ class Orchestrator:
 
     async def run_step(self, step: int) -> StepReport:
         waited = await self._wait_for_trainer(step - self.config.orchestrator.max_async_level)
-        await self._sync_weights()
         started = time.perf_counter()
-        rollouts, dropped = await self._play_groups(step)
+        await self._sync_weights()
+        synced = time.perf_counter() - started
+        started = time.perf_counter()
+        rollouts, dropped, outcomes = await self._play_groups(step)
         samples = self._samples(rollouts)
         rewards = [r.reward for group in rollouts for r in group]
         if not rewards:
@@ -116,6 +122,8 @@ class Orchestrator:
             images_sent=sum(r.images for group in rollouts for r in group),
             rollout_seconds=time.perf_counter() - started,
             wait_seconds=waited,
+            sync_seconds=synced,
+            reward_by_label={label: statistics.fmean(scores) for label, scores in sorted(outcomes.items())},
         )
         metadata = {k: v for k, v in report.__dict__.items() if k != "step"}
         write_batch(self.config.rollouts_dir, RolloutBatch(step=step, samples=samples, metadata=metadata))
@@ -123,7 +131,9 @@ class Orchestrator:
         self.metrics.reward_mean.set(report.reward_mean)
         return report
 
-    async def _play_groups(self, step: int) -> tuple[list[list[Rollout]], Counter[str]]:
+    async def _play_groups(
+        self, step: int
+    ) -> tuple[list[list[Rollout]], Counter[str], dict[str, list[float]]]:
         cfg = self.config.orchestrator
         sampling = Sampling(
             max_tokens=cfg.max_tokens, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p
@@ -132,6 +142,7 @@ class Orchestrator:
             [RolloutId(step, g, r) for r in range(cfg.rollouts_per_prompt)]
             for g in range(cfg.prompts_per_step)
         ]
+        outcomes: dict[str, list[float]] = {}
 
         async def one(rollout_id: RolloutId) -> Rollout | str:
             # Same seed for the whole group: same task, same image bytes, same refs.
@@ -154,6 +165,8 @@ class Orchestrator:
                 return "engine_rejected"
             self.metrics.rollouts.inc()
             self.metrics.rollout_seconds.observe(rollout.seconds)
+            for label, score in episode.outcomes():
+                outcomes.setdefault(label, []).append(score)
             return rollout
 
         results = await asyncio.gather(*(asyncio.gather(*(one(i) for i in group)) for group in ids))
@@ -164,7 +177,7 @@ class Orchestrator:
             for reason in (r for r in group if isinstance(r, str)):
                 dropped[reason] += 1
                 self.metrics.samples_dropped.labels(reason=reason).inc()
-        return kept, dropped
+        return kept, dropped, outcomes
 
     def _samples(self, groups: list[list[Rollout]]) -> list[Sample]:
         samples = []
