@@ -16,11 +16,18 @@ The family's `ForwardPolicy` decides which positions the model gets:
 Image pixels arrive as uint8 (the materializer's representation) and are normalized here, after the
 move to the model's device, by the materializer's `PixelNormalizer`: a quarter of the bytes cross to
 the device, and the float32 pixels exist only for the forward that uses them.
+
+An image used by several samples of a micro-batch (a group's prompt image) is encoded once: given
+`image_index`, the kwargs hold each distinct image once and the vision tower's per-image outputs are
+repeated to every placeholder span inside the model's own forward (`scattered_image_features`), so
+autograd sums an image's gradients over its uses, as separate encodings would.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import inspect
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
@@ -89,6 +96,52 @@ def sample_starts(seq_lens: Sequence[int]) -> torch.Tensor:
     return starts
 
 
+def _repeat_per_use(output: Any, index: Sequence[int]) -> Any:
+    """A vision-tower output of distinct images with its per-image fields repeated per use: the final
+    embeddings (`pooler_output`, one tensor per image) and Qwen3-VL's `deepstack_features` (per layer,
+    one tensor per image). The concatenated hidden states are dropped: nothing downstream reads them."""
+    if not hasattr(output, "pooler_output"):
+        raise TypeError(f"get_image_features returned {type(output).__name__}, not per-image outputs")
+    output.pooler_output = tuple(output.pooler_output[i] for i in index)
+    if getattr(output, "deepstack_features", None) is not None:
+        output.deepstack_features = [tuple(layer[i] for i in index) for layer in output.deepstack_features]
+    output.last_hidden_state = None
+    return output
+
+
+def encodes_images_once(model: torch.nn.Module) -> bool:
+    """Whether `model` takes its vision tower's outputs the way `scattered_image_features` hands them:
+    transformers' multimodal models whose forward accepts `mm_encoder_outputs` (per-image outputs of
+    `get_image_features`). Others get every span's pixels."""
+    base: Any = getattr(model, "model", model)
+    forward = getattr(base, "forward", None)
+    return (
+        hasattr(base, "get_image_features")
+        and forward is not None
+        and "mm_encoder_outputs" in inspect.signature(forward).parameters
+    )
+
+
+@contextmanager
+def scattered_image_features(model: torch.nn.Module, index: Sequence[int]) -> Iterator[None]:
+    """Inside, the model's `get_image_features` encodes the distinct images it is given once and hands
+    the forward one output per placeholder span (`index[k]`: the image of span k). Patched on the
+    instance, within the model's own forward, so FSDP gathers and hooks run as for any forward."""
+    base: Any = getattr(model, "model", model)
+    if not hasattr(base, "get_image_features"):
+        raise TypeError(f"{type(model).__name__} has no get_image_features to encode images once")
+    inner = base.get_image_features
+
+    def per_use(*args: Any, **kwargs: Any) -> Any:
+        return _repeat_per_use(inner(*args, **kwargs), index)
+
+    base.get_image_features = per_use
+    try:
+        yield
+    finally:
+        del base.get_image_features
+
+
 def forward_logprobs(
     model: torch.nn.Module,
     batch: PackedMicroBatch,
@@ -97,20 +150,27 @@ def forward_logprobs(
     *,
     normalizer: PixelNormalizer | None = None,
     temperature: float = 1.0,
+    image_index: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Per-token logprobs `[N]` of `batch.token_ids` under `model`, packed but per-sample exact.
 
     `mm_kwargs` are the materialized image tensors of the micro-batch (empty for text only): uint8
     pixels with the `normalizer` that makes them model inputs, or already normalized pixels without;
-    `temperature` scales the logits the way the engine did when it sampled.
+    one entry per placeholder span, or with `image_index` (the image of each span) each distinct image
+    once. `temperature` scales the logits the way the engine did when it sampled.
     """
     device = next(model.parameters()).device
     input_ids = torch.tensor(batch.token_ids, dtype=torch.long)
     mm_token_type_ids = torch.tensor(batch.mm_token_type_ids, dtype=torch.long)
+    repeats = image_index is not None and list(image_index) != list(range(len(image_index)))
     if policy.pass_position_ids:
         position_ids = sample_positions(batch.seq_lens)[None]
     else:
-        position_ids = mrope_position_ids(model, input_ids, mm_token_type_ids, batch.seq_lens, mm_kwargs)
+        per_span = dict(mm_kwargs)
+        if image_index is not None:  # positions follow every span's grid (grids: one row per image)
+            rows = torch.tensor(list(image_index), dtype=torch.long)
+            per_span = {k: v[rows] if k.endswith("grid_thw") else v for k, v in per_span.items()}
+        position_ids = mrope_position_ids(model, input_ids, mm_token_type_ids, batch.seq_lens, per_span)
     inputs: dict[str, Any] = {k: v.to(device) for k, v in mm_kwargs.items()}
     if normalizer is not None:
         inputs = normalizer.inputs(inputs)  # the device's uint8 copy is dropped here, before the forward
@@ -119,13 +179,15 @@ def forward_logprobs(
         raise ValueError("uint8 pixel_values need the materializer's normalizer")
     if policy.requires_mm_token_type_ids:
         inputs["mm_token_type_ids"] = mm_token_type_ids[None].to(device)
-    logits = model(
-        input_ids=input_ids[None].to(device),
-        position_ids=position_ids.to(device),
-        attention_mask=None,
-        use_cache=False,
-        **inputs,
-    ).logits[0]
+    encode_once = scattered_image_features(model, image_index) if repeats and image_index else nullcontext()
+    with encode_once:
+        logits = model(
+            input_ids=input_ids[None].to(device),
+            position_ids=position_ids.to(device),
+            attention_mask=None,
+            use_cache=False,
+            **inputs,
+        ).logits[0]
     if temperature != 1.0:
         logits = logits / temperature
     return token_logprobs(logits, input_ids.to(device), batch.seq_lens)

@@ -20,7 +20,7 @@ from rawmm.rl.samples import RolloutBatch, truncate_sample
 from rawmm.rl.trainer import metrics
 from rawmm.rl.trainer.checkpoint import resolve_model_dir, save_checkpoint
 from rawmm.rl.trainer.distributed import DistContext, all_reduce_gradients, all_reduce_sum
-from rawmm.rl.trainer.forward import forward_logprobs, sample_starts
+from rawmm.rl.trainer.forward import encodes_images_once, forward_logprobs, sample_starts
 from rawmm.rl.trainer.fsdp import load_from_rank0, meta_model, shard_model
 from rawmm.rl.trainer.lockstep import Slot, append_filler, rank_slots
 from rawmm.rl.trainer.loss import policy_gradient_loss
@@ -99,6 +99,8 @@ class Trainer:
         self.materializer = RawImageMaterializer(
             self.loaded, roots=[config.offload_dir], missing_image_policy=config.trainer.missing_image_policy
         )
+        # Each distinct image of a micro-batch through the vision tower once (a bench turns it off).
+        self.encode_once = encodes_images_once(self.model)
         temperature = config.orchestrator.sampling.temperature
         # Greedy sampling has no temperature to undo; the engine reports plain logprobs then.
         self.temperature = temperature if temperature > 0 else 1.0
@@ -174,13 +176,15 @@ class Trainer:
 
     def _backward(self, m: MaterializedMicroBatch, step_tokens: int) -> torch.Tensor:
         device = self.dist.device
+        mm_kwargs, image_index = m.unique_mm_kwargs() if self.encode_once else (m.mm_kwargs(), None)
         new_logprobs = forward_logprobs(
             self.model,
             m.batch,
-            m.mm_kwargs(),
+            mm_kwargs,
             self.materializer.forward_policy,
             normalizer=self.materializer.normalizer,
             temperature=self.temperature,
+            image_index=image_index,
         )
         parts = policy_gradient_loss(
             new_logprobs,

@@ -76,9 +76,23 @@ class MaterializedMicroBatch:
 
     def mm_kwargs(self) -> dict[str, torch.Tensor]:
         """The model's image kwargs: per-image tensors concatenated along dim 0 (patch rows, grid rows)."""
-        if not self.images:
-            return {}
-        return {key: torch.cat([inputs[key] for inputs in self.images], dim=0) for key in self.images[0]}
+        return _concat(self.images)
+
+    def unique_mm_kwargs(self) -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:
+        """The image kwargs of each distinct image of the micro-batch once (first use order), and for
+        every placeholder span, in packed order, the index of its image among them: the forward then
+        encodes each image once and scatters its embeddings to all of its spans. Images are the same
+        when they are the same materialized inputs (the step's dedupe hands out one copy per image)."""
+        first: dict[int, int] = {}
+        index = tuple(first.setdefault(id(inputs), len(first)) for inputs in self.images)
+        distinct = list({id(inputs): inputs for inputs in self.images}.values())
+        return _concat(distinct), index
+
+
+def _concat(images: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    if not images:
+        return {}
+    return {key: torch.cat([inputs[key] for inputs in images], dim=0) for key in images[0]}
 
 
 @dataclass
