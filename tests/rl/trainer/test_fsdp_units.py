@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from rawmm.config import ConfigError, RunConfig
-from rawmm.rl.trainer.fsdp import mixed_precision_policy, shard_units
+from rawmm.rl.trainer.fsdp import shard_units
+from rawmm.rl.trainer.precision import mixed_precision_policy
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen2_vl", "tiny_qwen3_vl"])

@@ -1,7 +1,8 @@
 """FSDP2 sharding of the policy: each decoder layer, each vision block and the vision tower are their own
 `fully_shard` unit, the root holds the rest (embeddings, final norm, head).
 
-A unit's parameters, gradients and AdamW state live 1/world on each rank; a unit is all-gathered
+A unit's parameters, gradients and AdamW state live 1/world on each rank (fp32; bf16 compute on GPU,
+see `rawmm.rl.trainer.precision`); a unit is all-gathered
 right before its forward (and again in backward) and its gradients are reduce-scattered after its
 backward. Gradients are *summed* over ranks, not averaged: the loss is already normalized by the
 step's loss tokens across all ranks (see `rawmm.rl.trainer.distributed`).
@@ -20,18 +21,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from rawmm.rl.trainer.precision import mixed_precision_policy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-
-def mixed_precision_policy(device: torch.device) -> MixedPrecisionPolicy:
-    """On GPU: bf16 forward/backward on fp32 master weights, gradients reduced in fp32. On CPU all fp32
-    (bf16 matmuls are slow there, and fp32 keeps FSDP comparable with one process)."""
-    if device.type == "cuda":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
 
 
 def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:

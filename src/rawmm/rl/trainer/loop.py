@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from rawmm.rl.trainer.lockstep import Slot, append_filler, rank_slots
 from rawmm.rl.trainer.loss import policy_gradient_loss
 from rawmm.rl.trainer.materializer import MaterializedMicroBatch, RawImageMaterializer
 from rawmm.rl.trainer.packing import pack_samples
+from rawmm.rl.trainer.precision import autocast
 from rawmm.rl.trainer.train_state import load_train_state
 
 
@@ -177,15 +179,17 @@ class Trainer:
     def _backward(self, m: MaterializedMicroBatch, step_tokens: int) -> torch.Tensor:
         device = self.dist.device
         mm_kwargs, image_index = m.unique_mm_kwargs() if self.encode_once else (m.mm_kwargs(), None)
-        new_logprobs = forward_logprobs(
-            self.model,
-            m.batch,
-            mm_kwargs,
-            self.materializer.forward_policy,
-            normalizer=self.materializer.normalizer,
-            temperature=self.temperature,
-            image_index=image_index,
-        )
+        # FSDP's policy already computes in bf16 on GPU; an unsharded model gets it from autocast.
+        with nullcontext() if self.sharded else autocast(device):
+            new_logprobs = forward_logprobs(
+                self.model,
+                m.batch,
+                mm_kwargs,
+                self.materializer.forward_policy,
+                normalizer=self.materializer.normalizer,
+                temperature=self.temperature,
+                image_index=image_index,
+            )
         parts = policy_gradient_loss(
             new_logprobs,
             torch.tensor(m.batch.logprobs, dtype=torch.float32, device=device),
