@@ -101,7 +101,7 @@ def replay_trainer(config_path: Path) -> dict:
     from rawmm.rl.trainer.packing import pack_samples
 
     config = RunConfig.from_yaml(config_path)
-    loaded = load_processor(config.model.path, backend=config.model.processor_backend)
+    loaded = load_processor(config.model.path, backend=config.model.backend)
     model = AutoModelForImageTextToText.from_pretrained(config.model.path, dtype=torch.float32)
     model.train()
     materializer = RawImageMaterializer(loaded, roots=[config.offload_dir], missing_image_policy="zero_loss")

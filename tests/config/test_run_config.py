@@ -30,6 +30,28 @@ def test_minimal_yaml_fills_documented_defaults_and_derived_dirs(tmp_path: Path)
     assert config.checkpoints_dir == Path("/tmp/run/checkpoints")
 
 
+@pytest.mark.parametrize(
+    ("preset", "engine", "backend"),
+    [
+        ("qwen2_vl", "transformers", "torchvision"),
+        ("qwen3_vl", "vllm", "torchvision"),
+        ("kimi_k25", "vllm", "pil"),
+    ],
+)
+def test_processor_backend_defaults_to_what_vllms_own_path_runs(
+    tmp_path: Path, preset: str, engine: str, backend: str
+) -> None:
+    """One backend for engines and trainer, whatever the engine: the family's processor as vLLM's own
+    image path runs it (Qwen-VL: transformers' torchvision processor; Kimi K2.5: its PIL resize). It is
+    written out, so every process reading the run config loads the same one."""
+    data = {**MINIMAL, "model": {"path": "/m", "preset": preset}, "inference": {"engine": engine}}
+    config = RunConfig.from_yaml(write_yaml(tmp_path, data))
+    assert config.model.processor_backend == config.model.backend == backend
+    assert yaml.safe_load(config.to_yaml())["model"]["processor_backend"] == backend
+    explicit = RunConfig.from_mapping({**data, "model": {**data["model"], "processor_backend": "pil"}})
+    assert explicit.model.backend == "pil"
+
+
 def test_yaml_round_trip_keeps_every_value(tmp_path: Path) -> None:
     data = {
         **MINIMAL,

@@ -43,6 +43,16 @@ def test_the_two_backends_really_produce_different_pixels(tiny_qwen2_vl: Path) -
     assert (pil["pixel_values"] - tv["pixel_values"]).abs().max() > 0
 
 
+def test_without_a_backend_qwen_loads_what_transformers_and_vllm_load(tiny_qwen2_vl: Path) -> None:
+    """vLLM's Qwen-VL path runs transformers' own AutoImageProcessor choice; every side's default follows it,
+    so raw refs and a chat request to the same engine see the same pixels (tests/serving/test_vllm_*.py)."""
+    from transformers import AutoImageProcessor
+
+    loaded = load_processor(tiny_qwen2_vl)
+    assert type(loaded.processor) is type(AutoImageProcessor.from_pretrained(tiny_qwen2_vl))
+    assert loaded.backend == get_family("qwen_vl").default_backend == "torchvision"
+
+
 def test_the_identity_comes_from_the_checkpoint_not_from_presets(tiny_qwen2_vl: Path) -> None:
     loaded = load_processor(tiny_qwen2_vl)
     preset = get_family("qwen_vl").preset("qwen2_vl")

@@ -112,6 +112,19 @@ def test_names_that_cannot_name_children_are_invalid(name: str, fragment: str) -
         parse_spec(name, CPU_ONLY)
 
 
+def test_an_rlrun_without_a_processor_backend_runs_the_one_vllms_own_path_runs() -> None:
+    """The RLRun stores no backend (no schema default), so its pods follow the family's: the engines and the
+    trainer all read it from the run config, and the engines' command line names it."""
+    from rawmm.config.serve_argv import serve_argv
+
+    spec = parse_spec("exp", merged(ISSUE_EXAMPLE, {"model": {"processorBackend": None}}))
+    assert spec.model.processor_backend == "torchvision"
+    config = run_config("exp", "ml", spec)
+    assert yaml.safe_load(config.to_yaml())["model"]["processor_backend"] == "torchvision"
+    argv = serve_argv(config, host="0.0.0.0", port=8000)
+    assert argv[argv.index("--processor-backend") + 1] == "torchvision"
+
+
 def test_run_config_for_the_pods() -> None:
     spec = parse_spec("exp", ISSUE_EXAMPLE)
     config = run_config("exp", "ml", spec)

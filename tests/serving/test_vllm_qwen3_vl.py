@@ -30,6 +30,13 @@ def test_one_image_equals_vllms_own_path(server: VllmServer) -> None:
     check_one_image(server)
 
 
+def test_the_default_processor_backend_is_the_one_vllms_own_path_runs(server: VllmServer) -> None:
+    """The server and the refs name no backend (vllm_harness); both default to the family's, which must be the
+    processor vLLM's chat path runs: identical tokens and logprobs within fp32 noise (2e-3 apart with PIL's)."""
+    assert "processor Qwen2VLImageProcessor/torchvision" in server.log.read_text()
+    check_one_image(server)
+
+
 def test_images_of_different_sizes_equal_vllms_own_path(server: VllmServer) -> None:
     check_images_of_different_sizes(server)
 

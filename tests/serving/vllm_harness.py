@@ -27,7 +27,6 @@ from serve_harness import serve_process
 from rawmm.contract import OffloadStore, RenderedPrompt, get_family, render_chat
 
 WEIGHTS_TOKEN = "vllm-test-token"
-BACKEND = "torchvision"  # the backend vLLM's own Qwen-VL processor runs (transformers' default)
 
 
 def tiny(preset: str, out: Path, seed: int = 0) -> Path:
@@ -98,7 +97,9 @@ def vllm_server(
     command = [
         sys.executable, "-m", "rawmm.cli", "serve", "--engine", "vllm", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--offload-root", str(store.root),
-        "--processor-backend", BACKEND, "--weights-root", str(weights_root),
+        # No --processor-backend: its default must be what vLLM's own image path runs, which every equality
+        # check below then proves (with transformers' PIL backend the logprobs drift ~2e-3 apart).
+        "--weights-root", str(weights_root),
         # Eager (no torch.compile: ~50 s less start-up), fp32 (the paths compared to fp32 noise), no video.
         "--", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--enforce-eager", "--dtype", "float32",
         "--limit-mm-per-prompt", '{"video": 0}', *vllm_args,
@@ -154,8 +155,7 @@ class Conversation:
             tokenizer=server.tokenizer,
             family=get_family("qwen_vl"),
             config=server.config,
-            store=server.store,
-            backend=BACKEND,
+            store=server.store,  # no backend: the family's default, as the server's
         )
 
     def raw(self, max_tokens: int, **sampling: Any) -> httpx.Response:

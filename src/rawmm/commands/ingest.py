@@ -34,8 +34,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, required: bool) -> N
     parser.add_argument(
         "--backend",
         choices=BACKENDS,
-        default="pil",
-        help="image-processor backend (fingerprint)",
+        default=None,
+        help="image-processor backend (fingerprint); default: the one vLLM's own image path runs for the "
+        "model's family (torchvision for Qwen-VL, pil for Kimi K2.5), as `rawmm serve` and the run config",
     )
 
 
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             print(problem, file=sys.stderr)
         raise CliError(f"{len(problems)} of {len(files)} files cannot be ingested; nothing was written")
     store = OffloadStore(args.offload_root)
-    fingerprint = model[0].fingerprint(model[1], args.backend) if model else None
+    fingerprint = model[0].fingerprint(model[1], args.backend or model[0].default_backend) if model else None
     columns = (TextColumn("ingest"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     console = Console(stderr=True)
     try:

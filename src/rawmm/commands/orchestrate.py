@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         renderer = PromptRenderer(
             config.model.path,
             config.model.preset,
-            config.model.processor_backend,
+            config.model.backend,
             OffloadStore(config.offload_dir),
         )
     except OSError as exc:

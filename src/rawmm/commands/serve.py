@@ -69,7 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"byte budget of the materialize cache: bytes or a quantity like 2Gi; 0 turns it off "
         f"(default: ${CACHE_SIZE_ENV} or 2Gi)",
     )
-    parser.add_argument("--processor-backend", choices=BACKENDS, default="pil")
+    parser.add_argument(
+        "--processor-backend",
+        choices=BACKENDS,
+        default=None,
+        help="image-processor backend (part of every ref's fingerprint); default: the one vLLM's own image "
+        "path runs for the model's family (torchvision for Qwen-VL, pil for Kimi K2.5), on either engine",
+    )
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument(
         "--max-image-pixels",

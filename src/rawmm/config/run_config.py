@@ -23,7 +23,7 @@ from rawmm.contract.engine_api import MAX_TOKENS_LIMIT, TEMPERATURE_LIMIT
 from rawmm.contract.engine_api import MIN_TEMPERATURE as MIN_TEMPERATURE
 from rawmm.contract.engine_api import temperature_problem as temperature_problem
 from rawmm.contract.families import Backend as ProcessorBackend
-from rawmm.contract.families import Preset
+from rawmm.contract.families import Preset, resolve_preset
 from rawmm.contract.retention_bounds import check_older_than
 from rawmm.contract.shared_dir import SharedDir
 
@@ -54,8 +54,26 @@ class ModelSettings(StrictModel):
     """What identifies the processor: shared by the run config and the RLRun's model section."""
 
     preset: Preset
-    processor_backend: ProcessorBackend = "pil"
+    processor_backend: ProcessorBackend | None = Field(
+        default=None,
+        description="image-processor backend of the engines and the trainer (part of every image ref's "
+        "fingerprint); empty: the one vLLM's own image path runs for the preset's family "
+        "(torchvision for Qwen-VL, pil for Kimi K2.5)",
+    )
     trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _backend_defaults_to_the_familys(self) -> ModelSettings:
+        # Resolved here, not in each process, so the run config the pods read names the backend they all
+        # load. Not a schema default: the RLRun's stored spec stays empty and follows the family.
+        if self.processor_backend is None:
+            self.processor_backend = resolve_preset(self.preset)[0].default_backend
+        return self
+
+    @property
+    def backend(self) -> ProcessorBackend:
+        """The processor backend, resolved at validation (the family's default when none was given)."""
+        return self.processor_backend or resolve_preset(self.preset)[0].default_backend
 
 
 class ModelConfig(ModelSettings):

@@ -25,7 +25,7 @@ def serve_argv(config: RunConfig, *, host: str, port: int) -> list[str]:
         "--port", str(port),
         "--offload-root", str(config.offload_dir),
         "--materialize-cache-size", inference.materialize_cache_size,
-        "--processor-backend", model.processor_backend,
+        "--processor-backend", model.backend,
         "--weights-root", str(config.checkpoints_dir),
     ]  # fmt: skip
     if model.trust_remote_code:

@@ -71,15 +71,16 @@ def render_chat(
     family: Family[Any],
     config: Any,
     store: OffloadStore,
-    backend: str = "pil",
+    backend: str | None = None,
     add_generation_prompt: bool = True,
 ) -> RenderedPrompt:
     """Offload the images of ``messages`` into ``store`` and render the chat for ``family``.
 
     ``tokenizer`` is a transformers tokenizer with a chat template that renders each image part as one
-    ``family.placeholder_token``. Descriptors carry the fingerprint of ``config`` under ``backend``.
+    ``family.placeholder_token``. Descriptors carry the fingerprint of ``config`` under ``backend`` (None:
+    the family's default, what vLLM's own image path runs).
     """
-    fingerprint = family.fingerprint(config, check_backend(backend))
+    fingerprint = family.fingerprint(config, check_backend(backend or family.default_backend))
     offloaded, stored = offload_images(messages, store)
     text = tokenizer.apply_chat_template(
         offloaded, tokenize=False, add_generation_prompt=add_generation_prompt

@@ -99,10 +99,13 @@ def _load(path: str, backend: str, trust_remote_code: bool, pixels: str) -> Load
 
 
 def load_processor(
-    path: str | Path, backend: str = "pil", trust_remote_code: bool = False, pixels: str = "normalized"
+    path: str | Path, backend: str | None = None, trust_remote_code: bool = False, pixels: str = "normalized"
 ) -> LoadedProcessor:
-    """The image processor of checkpoint ``path`` (a local dir or a hub id) with ``backend``, making engine
-    items of the ``pixels`` representation; cached."""
+    """The image processor of checkpoint ``path`` (a local dir or a hub id) with ``backend`` (None: its
+    family's default, what vLLM's own image path runs), making engine items of the ``pixels``
+    representation; cached."""
+    if backend is None:
+        backend = detect_family(path).default_backend
     if backend not in BACKENDS:
         raise ValueError(f"unknown image-processor backend {backend!r}; expected one of {BACKENDS}")
     if pixels not in PIXELS:

@@ -38,6 +38,7 @@ class Layout:
 
 
 def check_backend(backend: str) -> str:
+    """``backend`` if it is one of ``BACKENDS``, else a ValueError naming them."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown image-processor backend {backend!r}; expected one of {BACKENDS}")
     return backend
@@ -102,6 +103,9 @@ class Family(ABC, Generic[ConfigT]):
     model_types: ClassVar[tuple[str, ...]]
     # preprocessor_config.json keys that identify the family when config.json names no known model_type.
     preprocessor_markers: ClassVar[tuple[str, ...]] = ()
+    # The backend of the processor vLLM's own image path runs for this family: every side's default, so a
+    # run that names none materializes the pixels a chat request to the same engine would see.
+    default_backend: ClassVar[Backend]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -61,6 +61,8 @@ class QwenVLFamily(Family[QwenVLConfig]):
     config_type = QwenVLConfig
     # Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense and MoE) share one image processor.
     model_types = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+    # transformers' AutoImageProcessor loads the torchvision processor, and vLLM's Qwen-VL path runs it.
+    default_backend = "torchvision"
     preset_names = QwenVLPreset
     presets = {
         "qwen2_vl": QwenVLConfig(14, 2, 2, 3136, 12845056, CLIP_MEAN, CLIP_STD),
