@@ -77,6 +77,12 @@ def default_image(component: Literal["operator", "inference", "trainer"]) -> str
     return f"ghcr.io/rawmm/rawmm-{component}:{rawmm.__version__}"
 
 
+def _as_in(config: type[BaseModel], name: str, **field: Any) -> Any:
+    """A spec field that narrows the run config's field `name` (another default, a tighter bound) and keeps
+    its description: the config is the one place a hyperparameter is explained."""
+    return Field(description=config.model_fields[name].description, **field)
+
+
 def _image() -> Any:
     return Field(
         default="", description="empty: the image of the operator's release, resolved at reconcile time"
@@ -146,8 +152,12 @@ class SpecModel(StrictModel):
 class Resources(SpecModel):
     """Kubernetes resource requests and limits (quantities)."""
 
-    requests: dict[str, int | str] = Field(default_factory=dict)
-    limits: dict[str, int | str] = Field(default_factory=dict)
+    requests: dict[str, int | str] = Field(
+        default_factory=dict, description="what the scheduler reserves, e.g. {cpu: 8, memory: 64Gi}"
+    )
+    limits: dict[str, int | str] = Field(
+        default_factory=dict, description="what the container may use at most (memory over it: OOMKilled)"
+    )
 
 
 def default_resources(description: str = "", **requests: str) -> Any:
@@ -228,14 +238,27 @@ class PodSettings(SpecModel):
     )
     labels: dict[str, str] = Field(default_factory=dict, description="pod labels (the operator's own win)")
     annotations: dict[str, str] = Field(default_factory=dict, description="pod annotations")
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: Objects = Field(default_factory=list)
-    affinity: dict[str, Any] = Field(default_factory=dict)
-    topology_spread_constraints: Objects = Field(default_factory=list)
-    priority_class_name: str | None = None
-    scheduler_name: str | None = None
-    runtime_class_name: str | None = None
-    service_account_name: str | None = None
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description="node labels the role's pods need, e.g. {nvidia.com/gpu.present: 'true'}",
+    )
+    tolerations: Objects = Field(
+        default_factory=list, description="Toleration list, e.g. for tainted GPU nodes"
+    )
+    affinity: dict[str, Any] = Field(
+        default_factory=dict, description="the pod's Affinity (the operator adds its own for ReadWriteOnce)"
+    )
+    topology_spread_constraints: Objects = Field(
+        default_factory=list, description="TopologySpreadConstraint list"
+    )
+    priority_class_name: str | None = Field(default=None, description="the pods' PriorityClass")
+    scheduler_name: str | None = Field(
+        default=None, description="another scheduler for the role's pods (e.g. a gang scheduler)"
+    )
+    runtime_class_name: str | None = Field(default=None, description="the pods' RuntimeClass, e.g. nvidia")
+    service_account_name: str | None = Field(
+        default=None, description="the pods' ServiceAccount (default: the namespace's default account)"
+    )
     image_pull_secrets: Objects = Field(default_factory=list, description="e.g. [{name: regcred}]")
     volumes: Objects = Field(default_factory=list, description="extra pod volumes")
     volume_mounts: Objects = Field(default_factory=list, description="extra mounts of the role's container")
@@ -264,7 +287,8 @@ class RetentionSpec(PodSettings, RetentionConfig):
 
     model_config = CAMEL
     image: str = _image()
-    metrics_port: int = Field(default=9103, ge=1, le=65535)
+    # The run config's 0 (no /metrics) is no port a pod can declare.
+    metrics_port: int = Field(default=9103, ge=1, le=65535, description="/metrics of the GC process")
     resources: Resources = default_resources(cpu="250m", memory="512Mi")
 
 
@@ -349,7 +373,7 @@ class InferenceSpec(PodSettings, InferenceSettings):
         ),
     )
 
-    engine: Literal["transformers", "vllm"] = "vllm"
+    engine: Literal["transformers", "vllm"] = _as_in(InferenceSettings, "engine", default="vllm")
     image: str = _image()
     gpus: int = Field(default=1, ge=0, description="accelerators per engine replica")
     accelerator_resource: str = Field(
@@ -358,7 +382,9 @@ class InferenceSpec(PodSettings, InferenceSettings):
         max_length=253,
         description="the extended resource `gpus` counts: nvidia.com/gpu, amd.com/gpu, a MIG profile",
     )
-    tensor_parallel_size: int = Field(default=1, ge=1)
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, description="vLLM's --tensor-parallel-size: GPUs of one replica that share the model"
+    )
     resources: Resources = default_resources(
         "per replica; the operator adds materializeCacheSize to the memory request (and to the limit, if set)",
         cpu="4",
@@ -398,8 +424,8 @@ class SamplingSpec(SpecModel, SamplingConfig):
 
 class OrchestratorSpec(PodSettings, OrchestratorConfig):
     model_config = CAMEL
-    environment: EnvironmentSpec = Field(default_factory=EnvironmentSpec)
-    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    environment: EnvironmentSpec = _as_in(OrchestratorConfig, "environment", default_factory=EnvironmentSpec)
+    sampling: SamplingSpec = _as_in(OrchestratorConfig, "sampling", default_factory=SamplingSpec)
     image: str = _image()
     resources: Resources = default_resources(cpu="2", memory="4Gi")
 
@@ -416,8 +442,12 @@ class TrainerSpec(PodSettings, TrainerConfig):
         ),
     )
     image: str = _image()
-    nodes: int = Field(default=1, ge=1)
-    gpus_per_node: int = Field(default=1, ge=0)
+    nodes: int = Field(
+        default=1, ge=1, description="trainer pods, one per node (an indexed Job; torchrun across them)"
+    )
+    gpus_per_node: int = Field(
+        default=1, ge=0, description="accelerators per trainer pod; torchrun starts one rank per GPU"
+    )
     accelerator_resource: str = Field(
         default="nvidia.com/gpu",
         pattern=RESOURCE_NAME_PATTERN,
@@ -433,8 +463,10 @@ class TrainerSpec(PodSettings, TrainerConfig):
 
 class MonitoringSpec(MonitoringConfig):
     model_config = CAMEL
-    orchestrator_metrics_port: int = Field(default=9101, ge=1, le=65535)
-    trainer_metrics_port: int = Field(default=9102, ge=1, le=65535)
+    orchestrator_metrics_port: int = _as_in(
+        MonitoringConfig, "orchestrator_metrics_port", default=9101, ge=1, le=65535
+    )
+    trainer_metrics_port: int = _as_in(MonitoringConfig, "trainer_metrics_port", default=9102, ge=1, le=65535)
     pod_monitor: bool = Field(default=True, description="create a Prometheus Operator PodMonitor for the run")
 
 
@@ -453,12 +485,29 @@ class RLRunSpec(SpecModel):
         ),
     )
 
-    model: ModelSpec = Field(json_schema_extra=immutable("model"))
-    offload: OffloadSpec = Field(default_factory=OffloadSpec)
-    inference: InferenceSpec = Field(default_factory=InferenceSpec)
-    orchestrator: OrchestratorSpec = Field(default_factory=OrchestratorSpec)
-    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
-    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+    model: ModelSpec = Field(
+        json_schema_extra=immutable("model"),
+        description="the policy model: checkpoint, image layout preset and processor backend (immutable)",
+    )
+    offload: OffloadSpec = Field(
+        default_factory=OffloadSpec,
+        description="the run's shared volume (/shared in every pod): images, rollout batches, checkpoints",
+    )
+    inference: InferenceSpec = Field(
+        default_factory=InferenceSpec,
+        description="the engine replicas (a StatefulSet): they sample rollouts and load each checkpoint",
+    )
+    orchestrator: OrchestratorSpec = Field(
+        default_factory=OrchestratorSpec,
+        description="the orchestrator Job: plays the environment against the engines, writes rollout batches",
+    )
+    trainer: TrainerSpec = Field(
+        default_factory=TrainerSpec,
+        description="the trainer Job: trains on each rollout batch and writes a checkpoint per step",
+    )
+    monitoring: MonitoringSpec = Field(
+        default_factory=MonitoringSpec, description="metrics ports and the Prometheus Operator PodMonitor"
+    )
     suspend: bool = Field(default=False, description="scale the engines to 0 and suspend the Jobs")
     active_deadline_seconds: int | None = Field(
         default=None, ge=1, description="fail the run (and release its pods) this long after it started"

@@ -56,6 +56,20 @@ def test_committed_crd_is_the_generated_one() -> None:
     assert CRD_FILE.read_text() == crd_yaml(), "run `rawmm manifests` to regenerate the CRD"
 
 
+def test_every_spec_property_has_a_description() -> None:
+    """`kubectl explain rlrun.spec.<field>` prints these; a property without one says `<no description>`.
+    The hyperparameters' come from the run config's fields (one source), the Kubernetes ones from the spec."""
+    missing = [
+        f"{path}.{name}"
+        for path, node in schema_nodes(spec_schema(), "spec")
+        for name, sub in node.get("properties", {}).items()
+        if not sub.get("description", "").strip()
+    ]
+    assert missing == [], f"RLRun spec properties without a description: {missing}"
+    stored = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert stored["properties"]["spec"]["properties"]["trainer"]["properties"]["parallelism"]["description"]
+
+
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_crd_is_a_valid_custom_resource_definition(version: str) -> None:
     kubernetes_validate.validate(crd_manifest(), version, strict=True)

@@ -53,14 +53,19 @@ class StrictModel(BaseModel):
 class ModelSettings(StrictModel):
     """What identifies the processor: shared by the run config and the RLRun's model section."""
 
-    preset: Preset
+    preset: Preset = Field(
+        description="the model's image layout (family and processor config): qwen2_vl, qwen2_5_vl, "
+        "qwen3_vl or kimi_k25; a checkpoint whose processor config differs is refused by its fingerprint"
+    )
     processor_backend: ProcessorBackend | None = Field(
         default=None,
         description="image-processor backend of the engines and the trainer (part of every image ref's "
         "fingerprint); empty: the one vLLM's own image path runs for the preset's family "
         "(torchvision for Qwen-VL, pil for Kimi K2.5)",
     )
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(
+        default=False, description="let transformers (and vLLM) run the checkpoint's own Python code"
+    )
 
     @model_validator(mode="after")
     def _backend_defaults_to_the_familys(self) -> ModelSettings:
@@ -83,8 +88,15 @@ class ModelConfig(ModelSettings):
 class InferenceSettings(StrictModel):
     """Inference settings shared by local runs and the RLRun's inference section."""
 
-    engine: EngineKind = "transformers"
-    replicas: int = Field(default=1, ge=1)
+    engine: EngineKind = Field(
+        default="transformers",
+        description="vllm: vLLM 0.32 with rawmm's raw-ref routes (GPUs); transformers: rawmm's own CPU engine",
+    )
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        description="engine replicas; the orchestrator spreads rollouts over them, sticky per rollout",
+    )
     materialize_cache_size: str = Field(
         default="2Gi",
         json_schema_extra={"pattern": BYTE_SIZE_PATTERN},
@@ -114,7 +126,9 @@ class InferenceConfig(InferenceSettings):
     urls: list[str] = Field(
         default_factory=list, description="engine base URLs; empty means `rawmm run` starts local replicas"
     )
-    base_port: int = Field(default=8100, ge=1, le=65535)
+    base_port: int = Field(
+        default=8100, ge=1, le=65535, description="`rawmm run` gives local replica i the port base_port + i"
+    )
     vllm_args: list[str] = Field(
         default_factory=list,
         description="extra arguments for vLLM's server of each replica (engine: vllm), "
@@ -144,13 +158,28 @@ class InferenceConfig(InferenceSettings):
 
 
 class EnvironmentConfig(StrictModel):
-    name: str = Field(default="shapes-multiturn", min_length=1)
-    args: dict[str, Any] = Field(default_factory=dict)
+    name: str = Field(
+        default="shapes-multiturn",
+        min_length=1,
+        description="a built-in environment (colours, shapes, shapes-multiturn) or `package.module:Class` "
+        "importable in the orchestrator's image",
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments of the environment, e.g. {reward: partial}"
+    )
 
 
 class SamplingConfig(StrictModel):
-    temperature: float = Field(default=1.0, ge=0.0, le=TEMPERATURE_LIMIT)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(
+        default=1.0, ge=0.0, le=TEMPERATURE_LIMIT, description="0: greedy; else at least 0.01"
+    )
+    top_p: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=1.0,
+        description="must be 1.0: the trainer scores tokens under the full distribution, so a nucleus "
+        "would bias every importance ratio",
+    )
 
     @field_validator("temperature")
     @classmethod
@@ -175,16 +204,28 @@ class SamplingConfig(StrictModel):
 
 
 class OrchestratorConfig(StrictModel):
-    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
-    prompts_per_step: int = Field(default=2, ge=1)
-    rollouts_per_prompt: int = Field(default=4, ge=1)
-    max_turns: int = Field(default=3, ge=1)
-    max_tokens: int = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    environment: EnvironmentConfig = Field(
+        default_factory=EnvironmentConfig, description="the task the rollouts play"
+    )
+    prompts_per_step: int = Field(default=2, ge=1, description="episodes (distinct seeds) per step")
+    rollouts_per_prompt: int = Field(
+        default=4, ge=1, description="rollouts per episode; advantages are normalized within them (GRPO)"
+    )
+    max_turns: int = Field(default=3, ge=1, description="turns per rollout before it is cut off")
+    max_tokens: int = Field(
+        default=16, ge=1, le=MAX_TOKENS_LIMIT, description="tokens generated per turn at most"
+    )
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="how the engines sample")
     # Batch N is sampled with checkpoint N - max_async_level and checkpoint N needs batch N, so 0 would wait
     # forever; 1 = on-policy (every batch sampled with the newest weights).
-    max_async_level: int = Field(default=1, ge=1)
-    seed: int = Field(default=0, ge=0, lt=RUN_SEED_LIMIT)
+    max_async_level: int = Field(
+        default=1,
+        ge=1,
+        description="batch N is sampled with the weights of step N - maxAsyncLevel; 1 is on-policy",
+    )
+    seed: int = Field(
+        default=0, ge=0, lt=RUN_SEED_LIMIT, description="seeds the episodes and the engines' sampling"
+    )
     checkpoint_timeout_seconds: int = Field(
         default=7200,
         ge=1,
@@ -194,20 +235,39 @@ class OrchestratorConfig(StrictModel):
 
 
 class TrainerConfig(StrictModel):
-    steps: int = Field(default=2, ge=1)
-    learning_rate: float = Field(default=1e-5, gt=0.0)
-    seq_len: int = Field(default=2048, ge=1)
-    micro_batch_tokens: int = Field(default=4096, ge=1)
-    missing_image_policy: MissingImagePolicy = "error"
+    steps: int = Field(default=2, ge=1, description="training steps (one rollout batch and checkpoint each)")
+    learning_rate: float = Field(default=1e-5, gt=0.0, description="AdamW's learning rate")
+    seq_len: int = Field(
+        default=2048, ge=1, description="a sample is truncated to this many tokens, keeping whole images"
+    )
+    micro_batch_tokens: int = Field(
+        default=4096, ge=1, description="tokens packed into one forward/backward pass (per rank)"
+    )
+    missing_image_policy: MissingImagePolicy = Field(
+        default="error",
+        description="an image gone from the offload volume: error stops the run naming it; zero_loss drops "
+        "that sample's loss only",
+    )
     # the ratio is clipped to [1 - low, 1 + high]; low >= 1 would allow a zero or negative ratio
-    clip_ratio_low: float = Field(default=0.2, ge=0.0, lt=1.0)
-    clip_ratio_high: float = Field(default=0.28, ge=0.0)
-    max_grad_norm: float = Field(default=1.0, gt=0.0)
-    weight_decay: float = Field(default=0.0, ge=0.0)
-    seed: int = Field(default=0, ge=0, lt=RUN_SEED_LIMIT)
-    parallelism: Parallelism = "ddp"
+    clip_ratio_low: float = Field(
+        default=0.2, ge=0.0, lt=1.0, description="the importance ratio is clipped below at 1 - clipRatioLow"
+    )
+    clip_ratio_high: float = Field(
+        default=0.28, ge=0.0, description="the importance ratio is clipped above at 1 + clipRatioHigh"
+    )
+    max_grad_norm: float = Field(default=1.0, gt=0.0, description="gradients are clipped to this global norm")
+    weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW's decoupled weight decay")
+    seed: int = Field(default=0, ge=0, lt=RUN_SEED_LIMIT, description="seeds the trainer's generators")
+    parallelism: Parallelism = Field(
+        default="ddp",
+        description="ddp: every rank holds the whole model and AdamW state; fsdp: FSDP2 shards them over "
+        "the ranks (about 1/world each; bf16 compute on GPUs): what a model too large for one GPU needs",
+    )
     # recompute each layer's activations in backward: less memory for about one more forward pass
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = Field(
+        default=False,
+        description="recompute each layer's activations in backward: less memory for about one more forward",
+    )
     batch_timeout_seconds: int = Field(
         default=7200,
         ge=1,
@@ -229,8 +289,12 @@ class TrainerConfig(StrictModel):
 class MonitoringConfig(StrictModel):
     """Metrics ports (engines serve /metrics on their HTTP port). 0 = pick a free port / disabled in tests."""
 
-    orchestrator_metrics_port: int = Field(default=9101, ge=0, le=65535)
-    trainer_metrics_port: int = Field(default=9102, ge=0, le=65535)
+    orchestrator_metrics_port: int = Field(
+        default=9101, ge=0, le=65535, description="/metrics of the orchestrator"
+    )
+    trainer_metrics_port: int = Field(
+        default=9102, ge=0, le=65535, description="/metrics of the trainer (its rank 0)"
+    )
 
 
 class RetentionConfig(StrictModel):
@@ -240,7 +304,9 @@ class RetentionConfig(StrictModel):
     still waiting for training references (nor the last `keep_steps` trained ones).
     """
 
-    enabled: bool = False
+    enabled: bool = Field(
+        default=False, description="run offload garbage collection; off: nothing is deleted"
+    )
     older_than: str = Field(
         default="24h",
         json_schema_extra={"pattern": DURATION_PATTERN},
