@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from rawmm_operator.status import Phase
 
 RESULTS = ("success", "invalid", "rejected", "error")
-PHASES: tuple[Phase, ...] = ("Pending", "Provisioning", "Running", "Succeeded", "Failed", "Suspended")
+PHASES: tuple[Phase, ...] = get_args(Phase)
 
 RECONCILES = Counter(
     "rawmm_operator_reconciles",
