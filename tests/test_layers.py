@@ -90,3 +90,37 @@ def test_the_operator_imports_only_the_run_config_of_rawmm() -> None:
 def test_only_the_commands_import_the_operator() -> None:
     importers = {importer for importer, imported in imports_of("rawmm") if within(imported, "rawmm_operator")}
     assert importers and all(within(importer, "rawmm.commands") for importer in importers)
+
+
+# Inside the operator: the children's builders are pure (no I/O, no reconciler, no status) and the
+# catalogue, which declares every child, is iterated by the reconciler alone.
+OPERATOR_BUILDERS = ("rawmm_operator.children", "rawmm_operator.pods", "rawmm_operator.objects")
+BUILDERS_MAY_IMPORT = (*OPERATOR_BUILDERS, "rawmm_operator.names", "rawmm_operator.spec")
+CATALOGUE = "rawmm_operator.catalogue"
+CATALOGUE_USERS = ("rawmm_operator.reconcile",)
+
+
+@pytest.mark.parametrize("builders", OPERATOR_BUILDERS)
+def test_the_operators_builders_import_only_primitives_names_and_the_spec(builders: str) -> None:
+    illegal = sorted(
+        (importer, imported)
+        for importer, imported in imports_of(builders)
+        if within(imported, "rawmm_operator")
+        and not any(within(imported, allowed) for allowed in BUILDERS_MAY_IMPORT)
+    )
+    assert illegal == []
+
+
+def test_only_the_reconciler_imports_the_catalogue_within_the_operator() -> None:
+    importers = {importer for importer, imported in imports_of("rawmm_operator") if imported == CATALOGUE}
+    assert importers == set(CATALOGUE_USERS)
+
+
+def test_the_operator_has_no_import_cycle() -> None:
+    modules = {module for module in graph().modules if within(module, "rawmm_operator")}
+    cycles = sorted(
+        (importer, imported)
+        for importer, imported in imports_of("rawmm_operator")
+        if imported in modules and graph().chain_exists(importer=imported, imported=importer)
+    )
+    assert cycles == []
