@@ -21,6 +21,8 @@ from pydantic.alias_generators import to_camel
 
 import rawmm
 from rawmm.config import (
+    BUILTIN_ENVIRONMENTS,
+    ENVIRONMENT_REFERENCE_PATTERN,
     MIN_TEMPERATURE,
     EnvironmentConfig,
     InferenceConfig,
@@ -35,6 +37,7 @@ from rawmm.config import (
     SamplingConfig,
     StrictModel,
     TrainerConfig,
+    environment_name_problem,
     format_validation_error,
     temperature_problem,
 )
@@ -400,8 +403,18 @@ class InferenceSpec(PodSettings, InferenceSettings):
     )
 
 
-class EnvironmentSpec(EnvironmentConfig):
+class EnvironmentSpec(SpecModel, EnvironmentConfig):
     model_config = CAMEL
+    # The run config's check of the name, as CEL: kubectl apply refuses an environment the orchestrator
+    # could never load (a user's module is only checked for its form: it lives in the orchestrator's image).
+    rules = (
+        Rule(
+            cel=f"self.name in {list(BUILTIN_ENVIRONMENTS)} || self.name.matches('{ENVIRONMENT_REFERENCE_PATTERN}')",
+            message=f"orchestrator.environment.name must be one of {', '.join(BUILTIN_ENVIRONMENTS)} "
+            "or 'package.module:Class'",
+            holds=lambda s: environment_name_problem(s.name) is None,
+        ),
+    )
 
 
 class SamplingSpec(SpecModel, SamplingConfig):

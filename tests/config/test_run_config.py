@@ -52,6 +52,25 @@ def test_processor_backend_defaults_to_what_vllms_own_path_runs(
     assert explicit.model.backend == "pil"
 
 
+@pytest.mark.parametrize(
+    "name", ["shapes", "shapes-multiturn", "colours", "my_pkg.envs:Colours", "envs:make"]
+)
+def test_builtin_environments_and_module_references_are_accepted(name: str) -> None:
+    config = RunConfig.from_mapping({**MINIMAL, "orchestrator": {"environment": {"name": name}}})
+    assert config.orchestrator.environment.name == name
+
+
+@pytest.mark.parametrize(
+    "name", ["shapes_multiturn", "Shapes", "my_pkg.envs", "my_pkg:envs.Colours", ":Colours"]
+)
+def test_an_unknown_environment_is_refused_before_anything_starts(name: str) -> None:
+    """Not only when the orchestrator starts (minutes into a run, or an RLRun already Running)."""
+    with pytest.raises(
+        ConfigError, match=rf"orchestrator.environment: unknown environment '{name}': use one of"
+    ):
+        RunConfig.from_mapping({**MINIMAL, "orchestrator": {"environment": {"name": name}}})
+
+
 def test_yaml_round_trip_keeps_every_value(tmp_path: Path) -> None:
     data = {
         **MINIMAL,

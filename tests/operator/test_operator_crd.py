@@ -289,6 +289,29 @@ def test_inference_cel_rules_agree_with_the_operator_checks() -> None:
             assert evaluate(cel[message], raw) == rule.holds(model), (message, engine, gpus, tp)
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "shapes",
+        "shapes-multiturn",
+        "colours",
+        "pkg.envs:Env",
+        "e:make",
+        "shapes_multiturn",
+        "pkg.envs",
+        "a:b.c",
+        ":x",
+    ],
+)
+def test_the_environment_name_rule_agrees_with_the_run_config(name: str) -> None:
+    """kubectl apply refuses exactly the names the run config (and so the operator) would."""
+    from rawmm.config import environment_name_problem
+
+    node = open_api_schema()["properties"]["spec"]["properties"]["orchestrator"]["properties"]["environment"]
+    (rule,) = cel_rules(node)
+    assert evaluate(rule["rule"], {"name": name}) == (environment_name_problem(name) is None)
+
+
 def test_model_and_claim_are_immutable_but_the_rest_may_change() -> None:
     spec = open_api_schema()["properties"]["spec"]
     (model_rule,) = cel_rules(spec["properties"]["model"])

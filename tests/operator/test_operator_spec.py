@@ -125,6 +125,12 @@ def test_an_rlrun_without_a_processor_backend_runs_the_one_vllms_own_path_runs()
     assert argv[argv.index("--processor-backend") + 1] == "torchvision"
 
 
+def test_an_unknown_environment_is_an_invalid_spec_not_a_running_run() -> None:
+    """One stored past the CRD's rule (an older CRD) is reported invalid, not Running until the orchestrator fails."""
+    with pytest.raises(InvalidSpec, match=r"orchestrator.environment: unknown environment 'shape'"):
+        parse_spec("exp", merged(ISSUE_EXAMPLE, {"orchestrator": {"environment": {"name": "shape"}}}))
+
+
 def test_run_config_for_the_pods() -> None:
     spec = parse_spec("exp", ISSUE_EXAMPLE)
     config = run_config("exp", "ml", spec)

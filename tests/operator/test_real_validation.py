@@ -116,6 +116,14 @@ REFUSED_AT_CREATION = {
         "monitoring.trainerMetricsPort 29500 is torchrun's rendezvous port",
     ),
     "unknown-preset": ({"model": {"preset": "llava"}}, 'spec.model.preset: Unsupported value: "llava"'),
+    "unknown-environment": (
+        {"orchestrator": {"environment": {"name": "shapes_multiturn"}}},
+        "orchestrator.environment.name must be one of colours, shapes, shapes-multiturn or 'package.module:Class'",
+    ),
+    "environment-module-without-its-class": (
+        {"orchestrator": {"environment": {"name": "my_envs.tasks"}}},
+        "orchestrator.environment.name must be one of",
+    ),
     "unknown-field": ({"trainer": {"stepz": 10}}, 'unknown field "spec.trainer.stepz"'),
 }
 

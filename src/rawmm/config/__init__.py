@@ -3,6 +3,8 @@ value types it parses with (byte sizes, durations), the engines' command line an
 
 from __future__ import annotations
 
+from rawmm.config.run_config import BUILTIN_ENVIRONMENTS as BUILTIN_ENVIRONMENTS
+from rawmm.config.run_config import ENVIRONMENT_REFERENCE_PATTERN as ENVIRONMENT_REFERENCE_PATTERN
 from rawmm.config.run_config import MIN_TEMPERATURE as MIN_TEMPERATURE
 from rawmm.config.run_config import RUN_SEED_LIMIT as RUN_SEED_LIMIT
 from rawmm.config.run_config import ConfigError as ConfigError
@@ -22,6 +24,7 @@ from rawmm.config.run_config import SamplingConfig as SamplingConfig
 from rawmm.config.run_config import StrictModel as StrictModel
 from rawmm.config.run_config import TrainerConfig as TrainerConfig
 from rawmm.config.run_config import UniqueKeyLoader as UniqueKeyLoader
+from rawmm.config.run_config import environment_name_problem as environment_name_problem
 from rawmm.config.run_config import format_validation_error as format_validation_error
 from rawmm.config.run_config import temperature_problem as temperature_problem
 from rawmm.config.run_config import yaml_error_line as yaml_error_line

@@ -6,6 +6,7 @@ derives its sections from these models, so a field added here with a default app
 
 from __future__ import annotations
 
+import re
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, Literal
@@ -157,16 +158,40 @@ class InferenceConfig(InferenceSettings):
         return [url.rstrip("/") for url in urls]
 
 
+# The environments `rawmm.rl.envs` registers, named here so the run config (and the RLRun's schema) can refuse
+# any other name without importing rawmm.rl; tests/rl/envs/test_registry.py holds the two equal.
+BUILTIN_ENVIRONMENTS: tuple[str, ...] = ("colours", "shapes", "shapes-multiturn")
+# A user's environment: `package.module:attribute`, what rawmm.rl.envs.registry imports (one attribute).
+# No backslash (`[.]`): the RLRun's CEL rule quotes it as is.
+ENVIRONMENT_REFERENCE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*([.][A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+_ENVIRONMENT_REFERENCE = re.compile(ENVIRONMENT_REFERENCE_PATTERN)
+
+
+def environment_name_problem(name: str) -> str | None:
+    """Why `name` names no environment the orchestrator could load, or None. Only the form of a user's
+    `package.module:attribute` is checked: its module exists in the orchestrator's image, not here."""
+    if name in BUILTIN_ENVIRONMENTS or _ENVIRONMENT_REFERENCE.match(name):
+        return None
+    return f"unknown environment {name!r}: use one of {list(BUILTIN_ENVIRONMENTS)} or 'package.module:Class'"
+
+
 class EnvironmentConfig(StrictModel):
     name: str = Field(
         default="shapes-multiturn",
         min_length=1,
-        description="a built-in environment (colours, shapes, shapes-multiturn) or `package.module:Class` "
+        description=f"a built-in environment ({', '.join(BUILTIN_ENVIRONMENTS)}) or `package.module:Class` "
         "importable in the orchestrator's image",
     )
     args: dict[str, Any] = Field(
         default_factory=dict, description="keyword arguments of the environment, e.g. {reward: partial}"
     )
+
+    @model_validator(mode="after")
+    def _name_is_loadable(self) -> EnvironmentConfig:
+        # Refused before anything starts: otherwise only the orchestrator, minutes into a run, finds out.
+        if (problem := environment_name_problem(self.name)) is not None:
+            raise ValueError(problem)
+        return self
 
 
 class SamplingConfig(StrictModel):

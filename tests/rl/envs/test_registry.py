@@ -50,6 +50,13 @@ def test_builtins_are_registered_and_take_their_args():
     assert isinstance(environment, MultiTurnShapesEnvironment) and environment.views == 2
 
 
+def test_the_run_config_names_exactly_the_registered_builtins():
+    """The run config refuses any other name without importing rawmm.rl: its list must be the registry's."""
+    from rawmm.config import BUILTIN_ENVIRONMENTS
+
+    assert sorted(BUILTIN_ENVIRONMENTS) == environment_names()
+
+
 def test_a_users_environment_loads_by_module_path(user_module):
     environment = load_environment("my_envs:EchoEnvironment", {"word": "yo"})
     episode = environment.episode(4)

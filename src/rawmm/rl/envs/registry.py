@@ -18,7 +18,8 @@ class EnvironmentLoadError(ValueError):
 
 
 def register_environment(name: str, factory: EnvironmentFactory) -> None:
-    """Make `factory(**args)` available as `name` in run configs."""
+    """Make `factory(**args)` loadable as `name`. Run configs name only the built-ins registered here
+    (`rawmm.config.BUILTIN_ENVIRONMENTS`) or `package.module:factory`."""
     if name in _REGISTRY and _REGISTRY[name] is not factory:
         raise EnvironmentLoadError(f"environment {name!r} is already registered")
     _REGISTRY[name] = factory
