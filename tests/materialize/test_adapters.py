@@ -163,15 +163,6 @@ def test_trainer_rejects_a_count_mismatch(tiny_qwen2_vl: Path, offload_store: Of
     assert reason(excinfo) == "count_mismatch"
 
 
-def test_engine_items_are_read_only_mappings(
-    tiny_qwen2_vl: Path, offload_store: OffloadStore, make_ref
-) -> None:
-    loaded = load_processor(tiny_qwen2_vl)
-    item = engine_item(make_ref(noise(60, 60), loaded), loaded, offload_store)
-    with pytest.raises(TypeError):
-        item.tensors["pixel_values"] = torch.zeros(1)  # type: ignore[index]
-
-
 def test_every_family_has_an_adapter() -> None:
     from rawmm.contract import FAMILIES
 
