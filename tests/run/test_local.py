@@ -78,6 +78,21 @@ def test_plan_resolves_paths_ports_and_the_tiny_model(tmp_path):
     assert not tmp_path.joinpath("run-config.yaml").exists()  # planning writes nothing
 
 
+def test_plan_takes_the_format_warm_up_of_a_tiny_checkpoint(tmp_path):
+    plan = plan_local_run(
+        config(
+            model={"path": "tiny:qwen2_vl?warmup=7", "preset": "qwen2_vl"},
+            orchestrator={"environment": {"name": "colours", "args": {"colours": 3}}},
+            inference__base_port=free_port(),
+        ),
+        output_dir=tmp_path,
+    )
+    assert (plan.tiny_preset, plan.tiny_warmup_steps) == ("qwen2_vl", 7)
+    assert plan.config.model.path == str(tmp_path / "tiny-qwen2_vl")
+    plain = config(inference__base_port=free_port())
+    assert plan_local_run(plain, output_dir=tmp_path / "plain").tiny_warmup_steps == 0
+
+
 def test_local_engines_run_the_command_line_the_operator_gives_its_pods(tmp_path):
     """One builder for both (`rawmm.config.serve_argv`): a local replica differs from a pod only in its address."""
     port = free_port(2)
@@ -106,6 +121,10 @@ def test_plan_keeps_an_absolute_shared_dir_and_external_engines(tmp_path):
     [
         ({"model": {"path": "tiny:qwen3_vl", "preset": "qwen2_vl"}}, "does not match model.preset"),
         ({"model": {"path": "tiny:kimi_k25", "preset": "kimi_k25"}}, "tiny checkpoints exist for"),
+        ({"model": {"path": "tiny:qwen2_vl?warmup=0", "preset": "qwen2_vl"}}, r"\?warmup=<steps >= 1>"),
+        ({"model": {"path": "tiny:qwen2_vl?steps=3", "preset": "qwen2_vl"}}, r"\?warmup=<steps >= 1>"),
+        # shapes-multiturn (the default environment) offers no format_example to warm up on
+        ({"model": {"path": "tiny:qwen2_vl?warmup=5", "preset": "qwen2_vl"}}, "no format_example"),
     ],
 )
 def test_plan_refuses_unusable_settings(tmp_path, overrides, message):

@@ -149,10 +149,35 @@ class LocalRun:
 
             self.console.print(f"building the tiny {plan.tiny_preset} checkpoint at {plan.config.model.path}")
             build_tiny_model(plan.tiny_preset, Path(plan.config.model.path))
+            if plan.tiny_warmup_steps:
+                self._format_warmup()
         for directory in (plan.config.offload_dir, plan.config.rollouts_dir, plan.config.checkpoints_dir):
             directory.mkdir(parents=True, exist_ok=True)
         plan.config.to_yaml(plan.config_path)
         self.console.print(f"rawmm run: output in {plan.output_dir}")
+
+    def _format_warmup(self) -> None:
+        from rawmm.rl.envs import load_environment
+        from rawmm.run.warmup import WarmupSettings, format_warmup
+
+        config = self.plan.config
+        environment = config.orchestrator.environment
+        settings = WarmupSettings(
+            steps=self.plan.tiny_warmup_steps,
+            seed=config.trainer.seed,
+            max_turns=config.orchestrator.max_turns,
+        )
+        self.console.print(
+            f"format warm-up: {settings.steps} supervised steps on {environment.name}'s answer format, "
+            "random answers"
+        )
+        started = time.monotonic()
+        losses = format_warmup(
+            Path(config.model.path), load_environment(environment.name, environment.args), settings
+        )
+        self.console.print(
+            f"format warm-up: loss {losses[0]:.3g} -> {losses[-1]:.3g} in {time.monotonic() - started:.0f}s"
+        )
 
     def _live(self) -> Live:
         return Live(

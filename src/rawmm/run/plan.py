@@ -6,7 +6,9 @@
   self-contained; an absolute one is used as is. A shared directory that already holds rollouts or
   checkpoints is refused (a new run would mix with the old one's steps).
 - `model.path: tiny:<preset>` builds the tiny random-weight checkpoint of that preset into the
-  output directory (`<output-dir>/tiny-<preset>`); any other path must be a checkpoint directory or a hub id
+  output directory (`<output-dir>/tiny-<preset>`); `tiny:<preset>?warmup=N` then fine-tunes it for N steps
+  on the environment's answer format with random answers (`rawmm.run.warmup`), for environments that
+  offer a `format_example`. Any other path must be a checkpoint directory or a hub id
   (`owner/name`): a missing directory is refused here, not by an engine minutes later.
 - The environment's factory is resolved here (a registered name or `package.module:factory`) and its args
   bound to its signature, so an unknown name, an unimportable module or arguments it does not take stop the
@@ -40,6 +42,7 @@ class LocalRunPlan:
     output_dir: Path
     engine_ports: tuple[int, ...]  # empty when the run uses external engines (inference.urls)
     tiny_preset: str | None  # the tiny checkpoint to build before starting, if any
+    tiny_warmup_steps: int = 0  # format warm-up steps on the tiny checkpoint (tiny:<preset>?warmup=N)
 
     @property
     def logs_dir(self) -> Path:
@@ -61,7 +64,7 @@ def plan_local_run(
     _refuse_previous_run(shared_dir)
     _check_environment(config)
 
-    model_path, tiny_preset = _model_path(config, output_dir)
+    model_path, tiny_preset, warmup_steps = _model_path(config, output_dir)
     engine_ports: tuple[int, ...] = ()
     if config.inference.urls:
         urls = list(config.inference.urls)
@@ -105,24 +108,48 @@ def plan_local_run(
         output_dir=output_dir,
         engine_ports=engine_ports,
         tiny_preset=tiny_preset,
+        tiny_warmup_steps=warmup_steps,
     )
 
 
-def _model_path(config: RunConfig, output_dir: Path) -> tuple[Path | str, str | None]:
+def _model_path(config: RunConfig, output_dir: Path) -> tuple[Path | str, str | None, int]:
     path = config.model.path
     if not path.startswith(TINY_PREFIX):
         if (problem := model_path_problem(path)) is not None:
             raise PlanError(f"model.path {path}: {problem}")
         local = Path(path).expanduser()
-        return (local.resolve(), None) if local.exists() else (path, None)
+        return (local.resolve(), None, 0) if local.exists() else (path, None, 0)
     from rawmm.run.tiny import TINY_PRESETS
 
-    preset = path.removeprefix(TINY_PREFIX)
+    preset, _, options = path.removeprefix(TINY_PREFIX).partition("?")
     if preset not in TINY_PRESETS:
         raise PlanError(f"model.path {path!r}: tiny checkpoints exist for {list(TINY_PRESETS)}")
     if preset != config.model.preset:
         raise PlanError(f"model.path {path!r} does not match model.preset {config.model.preset!r}")
-    return output_dir / f"tiny-{preset}", preset
+    warmup = _warmup_steps(path, options)
+    if warmup:
+        _check_format_warmup(config)
+    return output_dir / f"tiny-{preset}", preset, warmup
+
+
+def _warmup_steps(path: str, options: str) -> int:
+    if not options:
+        return 0
+    name, _, value = options.partition("=")
+    if name != "warmup" or not value.isdecimal() or int(value) < 1:
+        raise PlanError(f"model.path {path!r}: the one option of a tiny checkpoint is ?warmup=<steps >= 1>")
+    return int(value)
+
+
+def _check_format_warmup(config: RunConfig) -> None:
+    from rawmm.rl.envs import resolve_environment
+
+    environment = config.orchestrator.environment.name
+    if not callable(getattr(resolve_environment(environment), "format_example", None)):
+        raise PlanError(
+            f"model.path {config.model.path!r}: environment {environment!r} has no format_example "
+            "to warm up on"
+        )
 
 
 def _check_environment(config: RunConfig) -> None:
