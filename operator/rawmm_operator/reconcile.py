@@ -2,8 +2,9 @@
 
 Synchronous and free of kopf, so it can be driven by the operator's per-run loop and by tests alike.
 
-Children are server-side applied every pass (drift on the operator's fields is reverted) and those no
-longer built are deleted (pruned). A child the server refuses (quota, LimitRange, webhook, an
+Which children a run has in each stage, and how each is treated, is declared in `catalogue.py`; this module
+iterates it. Children are server-side applied every pass (drift on the operator's fields is reverted) and
+those no longer built are deleted (pruned). A child the server refuses (quota, LimitRange, webhook, an
 immutable field) becomes the `Reconciled` condition and a retry, never a failed run. A Job whose
 template hash changed is deleted in the foreground and created anew once its pods are gone.
 """
@@ -212,7 +213,7 @@ class Reconciler:
 
         ended = run_ended(observed=observed(), previous=previous, deadline_exceeded=exceeded)
         stage = stage_of(spec, ended, previous, now)
-        outcome = Outcome(body, previous, [])
+        outcome = Outcome(body, previous, [])  # its status and transitions once derived, below
         self._create_once(run, spec, stage, outcome)
         built = catalogue.build(run, spec, stage=stage, pod_monitor=self.pod_monitor)
         outcome.applying = self._apply(run, built, live, outcome)
