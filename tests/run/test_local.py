@@ -120,7 +120,7 @@ def test_plan_keeps_an_absolute_shared_dir_and_external_engines(tmp_path):
     ("overrides", "message"),
     [
         ({"model": {"path": "tiny:qwen3_vl", "preset": "qwen2_vl"}}, "does not match model.preset"),
-        ({"model": {"path": "tiny:kimi_k25", "preset": "kimi_k25"}}, "tiny checkpoints exist for"),
+        ({"model": {"path": "tiny:qwen2_5_vl", "preset": "qwen2_5_vl"}}, "tiny checkpoints exist for"),
         ({"model": {"path": "tiny:qwen2_vl?warmup=0", "preset": "qwen2_vl"}}, r"\?warmup=<steps >= 1>"),
         ({"model": {"path": "tiny:qwen2_vl?steps=3", "preset": "qwen2_vl"}}, r"\?warmup=<steps >= 1>"),
         # shapes-multiturn (the default environment) offers no format_example to warm up on

@@ -111,7 +111,7 @@ def test_deterministic_per_seed_and_configurable(tmp_path: Path, tiny_qwen3_vl: 
 
 def test_bad_requests(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="tiny models exist"):
-        build_tiny_model("kimi_k25", tmp_path / "k")
+        build_tiny_model("qwen2_5_vl", tmp_path / "k")
     with pytest.raises(ValueError, match="below the preset's min_pixels"):
         build_tiny_model("qwen3_vl", tmp_path / "q", max_pixels=100)
     assert not any(tmp_path.iterdir())

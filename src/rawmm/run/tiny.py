@@ -1,4 +1,6 @@
-"""Tiny random-weight Qwen-VL checkpoints, built locally in seconds (nothing is downloaded).
+"""Tiny random-weight Qwen-VL and Kimi K2.5 checkpoints, built locally in seconds (nothing is downloaded).
+
+Kimi K2.5's parts are in ``tiny_kimi``; what follows describes the Qwen-VL ones.
 
 A checkpoint directory holds what ``from_pretrained`` (and vLLM) expect of a real Qwen2-VL / Qwen3-VL
 release: a standard ``config.json`` with the vision config and special-token ids, safetensors weights,
@@ -22,7 +24,7 @@ from typing import Any
 
 from rawmm.contract.families import QwenVLConfig, resolve_preset
 
-TINY_PRESETS: tuple[str, ...] = ("qwen2_vl", "qwen3_vl")
+TINY_PRESETS: tuple[str, ...] = ("qwen2_vl", "qwen3_vl", "kimi_k25")
 TINY_MAX_TOKENS = 256  # default max_pixels = TINY_MAX_TOKENS * (patch * merge)^2
 TOKENIZER_VOCAB = 640  # learned byte-level BPE vocabulary, before the special tokens
 
@@ -82,8 +84,14 @@ def _corpus() -> Iterator[str]:
     yield " ".join(str(n) for n in range(100))
 
 
-def build_tokenizer() -> Any:
-    """A Qwen2Tokenizer (byte-level BPE) with Qwen's special tokens and chat template."""
+def build_tokenizer(
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+    *,
+    eos_token: str = "<|im_end|>",
+    pad_token: str = "<|endoftext|>",
+    chat_template: str = CHAT_TEMPLATE,
+) -> Any:
+    """A Qwen2Tokenizer (byte-level BPE) with Qwen's special tokens and chat template, or another family's."""
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
 
@@ -105,12 +113,12 @@ def build_tokenizer() -> Any:
         # transformers annotates these as list[str] and str; it takes merge pairs and no unk token
         merges=[tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]],  # type: ignore[misc]
         unk_token=None,  # type: ignore[arg-type]
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|im_end|>", "<|endoftext|>")],
+        eos_token=eos_token,
+        pad_token=pad_token,
+        extra_special_tokens=[t for t in special_tokens if t not in (eos_token, pad_token)],
         model_max_length=32768,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 
@@ -219,6 +227,8 @@ def build_tiny_model(
     """
     if preset not in TINY_PRESETS:
         raise ValueError(f"tiny models exist for presets {TINY_PRESETS}, not {preset!r}")
+    if preset == "kimi_k25":
+        return _build_tiny_kimi(out, seed, max_pixels=max_pixels, gpu_shape=gpu_shape)
     import torch
     from transformers import (
         GenerationConfig,
@@ -229,7 +239,6 @@ def build_tiny_model(
     )
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
-    from transformers.utils import logging as hf_logging
 
     from rawmm.materialize import qwen_image_processor
 
@@ -265,6 +274,39 @@ def build_tiny_model(
     generation = GenerationConfig(
         eos_token_id=config.text_config.eos_token_id, pad_token_id=config.text_config.pad_token_id
     )
+    return _write(out, model, generation, processor)
+
+
+def _build_tiny_kimi(out: Path, seed: int, *, max_pixels: int | None, gpu_shape: bool) -> Path:
+    """Kimi K2.5 (``tiny_kimi``): ``max_pixels`` bounds the patches per image (pixels / patch²)."""
+    from rawmm.run import tiny_kimi
+
+    _, image = resolve_preset("kimi_k25")
+    max_tokens = TINY_MAX_TOKENS
+    if max_pixels is not None:
+        max_tokens = max_pixels // (image.patch_size * image.merge_size) ** 2
+        if max_tokens < 1:
+            raise ValueError(
+                f"max_pixels {max_pixels} is below one vision token ({image.patch_size * image.merge_size}² px)"
+            )
+    tokenizer = build_tokenizer(
+        tiny_kimi.SPECIAL_TOKENS,
+        eos_token=tiny_kimi.EOS_TOKEN,
+        pad_token=tiny_kimi.PAD_TOKEN,
+        chat_template=tiny_kimi.CHAT_TEMPLATE,
+    )
+    model, processor, generation = tiny_kimi.build_parts(
+        tokenizer, max_tokens, gpu_shape=gpu_shape, seed=seed
+    )
+    # transformers 5 nests the image processor in processor_config.json; rawmm and vLLM read a Kimi
+    # checkpoint's media_proc_cfg from preprocessor_config.json, where the published one has it.
+    return _write(out, model, generation, processor, processor.image_processor)
+
+
+def _write(out: Path, model: Any, *parts: Any) -> Path:
+    """Save the model and ``parts`` next to ``out`` and rename them into place: ``out`` is either absent or
+    complete."""
+    from transformers.utils import logging as hf_logging
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -273,8 +315,8 @@ def build_tiny_model(
     hf_logging.disable_progress_bar()  # a "Writing model shards" bar for one 1 MB file is noise
     try:
         model.save_pretrained(staging)
-        generation.save_pretrained(staging)
-        processor.save_pretrained(staging)
+        for part in parts:
+            part.save_pretrained(staging)
         if out.exists():
             shutil.rmtree(out)
         for path in (staging, *staging.iterdir()):
