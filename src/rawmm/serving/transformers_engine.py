@@ -1,10 +1,10 @@
-"""A CPU engine on transformers' Qwen2-VL / Qwen3-VL classes, consuming materialized engine items.
+"""A CPU engine on transformers' Qwen2-VL / Qwen3-VL / Kimi K2.5 classes, consuming materialized items.
 
 Generation runs on one dedicated thread, one request at a time (correctness first): a prefill with the
-prompt and its images' ``pixel_values`` / ``image_grid_thw`` / ``mm_token_type_ids`` (Qwen computes its
-own M-RoPE positions from them), then token-by-token decoding on the KV cache. Weight updates run on the
-same thread between requests, behind the ``WeightsGate``. A cancelled request (its client went away) stops
-decoding before its next token.
+prompt and its images' ``pixel_values`` and grid (plus ``mm_token_type_ids`` for Qwen, which computes its
+own M-RoPE positions from them; Kimi's positions are plain), then token-by-token decoding on the KV cache.
+Weight updates run on the same thread between requests, behind the ``WeightsGate``. A cancelled request
+(its client went away) stops decoding before its next token.
 
 Items carry the pixels of the processor's representation: ``uint8`` items (a quarter of float32 in the
 materialize cache) are normalized on use, per request, bit-exact to the processor's normalized pixels.
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from rawmm.contract.engine_api import Sampling
-from rawmm.materialize import LoadedProcessor, collate
+from rawmm.materialize import LoadedProcessor, collate, get_adapter
 from rawmm.materialize.normalize import PixelNormalizer
 from rawmm.serving.engine import Engine, Generation, ImageInput, InvalidRequest
 from rawmm.serving.sampling import sample_token
@@ -49,9 +49,8 @@ def _eos_ids(model: Any) -> set[int]:
 class TransformersEngine(Engine):
     def __init__(self, model_path: str, processor: LoadedProcessor) -> None:
         super().__init__()
-        if processor.family.name != "qwen_vl":
-            raise ValueError(f"the transformers engine serves Qwen-VL models, not {processor.family.name}")
         self.processor = processor
+        self.adapter = get_adapter(processor.family.name)
         self.normalizer = PixelNormalizer(processor) if processor.pixels == "uint8" else None
         self.model = _load_model(model_path)
         text_config = self.model.config.get_text_config()
@@ -93,11 +92,14 @@ class TransformersEngine(Engine):
         inputs: dict[str, Any] = {"input_ids": torch.tensor([token_ids])}
         if images:
             mm_kwargs = collate([image.item for image in images])
-            inputs.update(self.normalizer.inputs(mm_kwargs) if self.normalizer else mm_kwargs)
-            token_types = torch.zeros(1, len(token_ids), dtype=torch.int32)
-            for image in images:
-                token_types[0, image.feature.offset : image.feature.offset + image.feature.length] = 1
-            inputs["mm_token_type_ids"] = token_types
+            inputs.update(
+                self.adapter.model_kwargs(self.normalizer.inputs(mm_kwargs) if self.normalizer else mm_kwargs)
+            )
+            if self.adapter.forward_policy.requires_mm_token_type_ids:
+                token_types = torch.zeros(1, len(token_ids), dtype=torch.int32)
+                for image in images:
+                    token_types[0, image.feature.offset : image.feature.offset + image.feature.length] = 1
+                inputs["mm_token_type_ids"] = token_types
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         generator = torch.Generator().manual_seed(seed)
         out = model(**inputs, use_cache=True, logits_to_keep=1)
