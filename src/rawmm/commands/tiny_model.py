@@ -6,12 +6,11 @@ import argparse
 from pathlib import Path
 
 from rawmm.commands import CliError
-
-PRESETS = ("qwen2_vl", "qwen3_vl")  # rawmm.run.tiny.TINY_PRESETS, without importing transformers for --help
+from rawmm.run.tiny import TINY_PRESETS  # imports transformers only inside its builders: --help stays fast
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", required=True, choices=PRESETS)
+    parser.add_argument("--preset", required=True, choices=TINY_PRESETS)
     parser.add_argument(
         "--out", required=True, type=Path, metavar="DIR", help="checkpoint directory to write"
     )
