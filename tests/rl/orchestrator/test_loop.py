@@ -12,9 +12,17 @@ from PIL import Image
 
 from rawmm.config import RunConfig
 from rawmm.contract import OffloadStore, parse_ref
-from rawmm.contract.shared_dir import CheckpointTimeout, SharedDir, batch_path, checkpoint_dir, latest_path
+from rawmm.contract.shared_dir import (
+    CheckpointTimeout,
+    SharedDir,
+    batch_path,
+    checkpoint_dir,
+    latest_path,
+    latest_step,
+)
 from rawmm.rl.batches import read_batch, write_batch
 from rawmm.rl.envs import Environment, Episode, StepResult, load_environment
+from rawmm.rl.orchestrator import loop as loop_module
 from rawmm.rl.orchestrator.engine_client import EngineClient, RetryPolicy
 from rawmm.rl.orchestrator.loop import AllRolloutsDropped, Orchestrator, episode_seed
 from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
@@ -242,18 +250,35 @@ async def test_a_step_with_every_rollout_rejected_fails_and_writes_nothing(
 
 
 async def test_waits_for_the_trainer_then_loads_its_checkpoint_before_sampling(
-    fake_engines, orchestrator_factory, renderer_parts
+    fake_engines, orchestrator_factory, renderer_parts, monkeypatch
 ):
     _, tokenizer = renderer_parts
-    engine = await fake_engines(reply=lambda body: tokenizer.encode("yes"))
+    checkpoints: list[Path] = []
+    steps_seen_by_generate: list[int] = []
+
+    def reply(body):
+        steps_seen_by_generate.append(latest_step(checkpoints[0]))  # the trainer's newest checkpoint then
+        return tokenizer.encode("yes")
+
+    engine = await fake_engines(reply=reply)
     make, metrics = orchestrator_factory
     orchestrator = make([engine.url], environment=SayYes(), max_async_level=1)
     shared = orchestrator.config.shared_dir
+    checkpoints.append(orchestrator.config.checkpoints_dir)
+    waiting = asyncio.Event()
+    wait_for_checkpoint = loop_module.wait_for_checkpoint
+
+    async def entered(*args, **kwargs):
+        waiting.set()
+        return await wait_for_checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "wait_for_checkpoint", entered)
     task = asyncio.create_task(orchestrator.run_step(2))
-    await asyncio.sleep(0.3)  # a negative check: nothing may happen before checkpoint 1 exists
-    assert not task.done() and engine.generate_bodies == [] and engine.weights_paths == []
-    checkpoint = finish_checkpoint(shared, 1)
+    await asyncio.wait_for(waiting.wait(), timeout=30)
+    assert engine.calls == []  # the step waits for the trainer before it asks anything of an engine
+    checkpoint = finish_checkpoint(shared, 1)  # only now: the step was waiting for it
     report = await asyncio.wait_for(task, timeout=30)
+    assert steps_seen_by_generate == [1] * 4  # nothing was sampled before checkpoint 1 existed
     assert engine.weights_paths == [str(checkpoint.resolve())]
     assert report.weights_step == 1 and engine.calls == ["weights"] + ["generate"] * 4
     assert metrics.registry.get_sample_value("rawmm_orchestrator_weights_step") == 1
