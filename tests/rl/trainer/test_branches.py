@@ -3,14 +3,12 @@
 A multi-turn rollout is scripted (no engine): each turn renders the whole conversation with the tiny
 model's own renderer, the "engine" replies with fixed text plus the end-of-turn token, and the next turn
 adds a new image. Its merged samples (`branch_samples`) and its per-turn samples (`turn_samples`) are
-materialized and forwarded by the trainer's own code; every loss token must get the same logprob
+materialized and forwarded by the trainer's own code, on tiny Qwen2-VL, Qwen3-VL and Kimi K2.5; every loss token must get the same logprob
 (fp32 tolerance), with a chat template that re-renders earlier assistant turns as sent (every turn
 merges) and one that re-renders some of them differently (those turns fork).
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,20 +29,16 @@ from rawmm.rl.samples import Sample
 from rawmm.rl.trainer.forward import forward_logprobs
 from rawmm.rl.trainer.materializer import RawImageMaterializer
 from rawmm.rl.trainer.packing import concat_samples
-from rawmm.run.tiny import CHAT_TEMPLATE
 
 # Earlier assistant turns are re-rendered without their reasoning (the text before " so "), as reasoning
 # models' templates drop it: a reply with " so " re-renders differently, one without re-renders as sent.
-REASONING_DROPPED = CHAT_TEMPLATE.replace(
-    "{% if message['content'] is string %}{{ message['content'] }}",
-    "{% if message['content'] is string %}{{ message['content'].split(' so ')[-1] }}",
-)
-assert REASONING_DROPPED != CHAT_TEMPLATE
+AS_SENT = "{% if message['content'] is string %}{{ message['content'] }}"
+REASONING_DROPPED = "{% if message['content'] is string %}{{ message['content'].split(' so ')[-1] }}"
 
 
 def scripted_rollout(renderer: PromptRenderer, replies: list[str], seed: int = 0) -> Rollout:
     """Turn t shows a new image; the engine replies `replies[t]` and ends its turn (<|im_end|>)."""
-    end = renderer.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    end = renderer.tokenizer.convert_tokens_to_ids("<|im_end|>")  # both families end a turn with it
     rollout = Rollout(RolloutId(1, 0, seed))
     messages: list[dict] = []
     for t, reply in enumerate(replies):
@@ -85,28 +79,24 @@ def trained(samples: list[Sample], key: str) -> list:
     return [value for s in samples for value, on in zip(getattr(s, key), s.loss_mask, strict=True) if on]
 
 
-@pytest.fixture(params=["tiny_qwen2_vl", "tiny_qwen3_vl"])
-def model_dir(request) -> Path:
-    return request.getfixturevalue(request.param)
-
-
 @pytest.mark.parametrize(
     ("template", "replies", "branches"),
     [
-        (CHAT_TEMPLATE, ["a red circle", "blue", "two green stars", "yes"], [[0, 1, 2, 3]]),
+        (AS_SENT, ["a red circle", "blue", "two green stars", "yes"], [[0, 1, 2, 3]]),
         (REASONING_DROPPED, ["red so circle", "blue", "green so star", "yes"], [[0], [1, 2], [3]]),
     ],
     ids=["merges", "forks"],
 )
 def test_branch_samples_score_every_token_as_its_turn_sample(
-    model_dir, tmp_path, template, replies, branches
+    family_model, tmp_path, template, replies, branches
 ):
     from transformers import AutoModelForImageTextToText
 
     store = OffloadStore(tmp_path / "images")
-    preset = "qwen2_vl" if "qwen2" in str(model_dir) else "qwen3_vl"
+    model_dir, preset = family_model
     renderer = PromptRenderer(model_dir, preset, "pil", store)
-    renderer.tokenizer.chat_template = template
+    assert AS_SENT in renderer.tokenizer.chat_template  # the tiny checkpoints' templates, Qwen's and Kimi's
+    renderer.tokenizer.chat_template = renderer.tokenizer.chat_template.replace(AS_SENT, template)
     rollout = scripted_rollout(renderer, replies)
     per_turn = turn_samples(rollout, 0.5, renderer.placeholder_id)
     merged = branch_samples(rollout, 0.5, renderer.placeholder_id)
