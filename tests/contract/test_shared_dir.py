@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rawmm.contract import shared_dir
 from rawmm.contract.files import write_atomically
 from rawmm.contract.shared_dir import (
     BatchTimeout,
@@ -106,11 +107,24 @@ def test_waiting_for_a_batch_gives_up_at_its_deadline(shared: SharedDir, timeout
     assert timeout_s <= time.monotonic() - started < timeout_s + 5
 
 
-async def test_waiting_for_a_checkpoint_returns_the_latest_once_it_is_new_enough(shared: SharedDir) -> None:
+async def test_waiting_for_a_checkpoint_returns_the_latest_once_it_is_new_enough(
+    shared: SharedDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
     publish(shared, 1)
+    saw_step_1 = asyncio.Event()
+    read_latest = shared_dir.latest_step
+
+    def latest_step(checkpoints_dir: Path) -> int:
+        step = read_latest(checkpoints_dir)
+        if step == 1:
+            saw_step_1.set()
+        return step
+
+    monkeypatch.setattr(shared_dir, "latest_step", latest_step)  # as the waiter reads it, unchanged
     waiting = asyncio.create_task(wait_for_checkpoint(shared.checkpoints_dir, 2, timeout_s=30, poll_s=0.01))
-    await asyncio.sleep(0.05)
-    assert not waiting.done()  # step 1 is not enough
+    await asyncio.wait_for(saw_step_1.wait(), timeout=30)
+    assert not waiting.done()  # step 1 is not enough: it waits on
+    monkeypatch.undo()
     publish(shared, 3)
     assert await asyncio.wait_for(waiting, timeout=30) == 3
     assert await wait_for_checkpoint(shared.checkpoints_dir, 0, timeout_s=0, poll_s=0.01) == 3
