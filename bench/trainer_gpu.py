@@ -1,0 +1,442 @@
+"""The trainer at real size on one GPU: today's step against branches + each image once + bf16, and the
+attention implementations, both sides in one run.
+
+A random-weight model with Qwen2-VL-2B-Instruct's shapes (text: hidden 1536, 28 layers, 12 heads, 2 KV
+heads, intermediate 8960; vision: depth 32, embed 1280, 16 heads), the tiny checkpoint's tokenizer and
+processor at the real pixel budget (a 1280x720 screenshot is 1196 placeholder tokens). The step batch is
+`--rollouts` rollouts of `--turns` turns, each turn a new 1280x720 screenshot, played through the
+orchestrator's own `play` against a scripted engine (a fixed reply and the end-of-turn token).
+
+Variants (each: one warm-up step, then `--steps` timed steps; checkpoint writes left out):
+- before: one sample per turn (`turn_samples`), every placeholder span encoded, FSDP2 on a one-rank
+  group (bf16 compute: what the issue measured; a plain one-GPU run computed in fp32 then);
+- after_fsdp: one sample per branch (`branch_samples`), each image encoded once per micro-batch, FSDP2
+  as before: the data-path gain alone;
+- after_ddp: the same batch on the one-GPU default path now: unsharded, bf16 autocast, sdpa;
+- after_varlen: after_ddp with `rawmm_varlen` attention (varlen flash kernel, no mask).
+Per variant: step time, tokens/s, rollouts/s, peak memory, MFU = (6 x text params x tokens forwarded +
+6 x vision params x patches encoded) / step time / `--peak-tflops` (attention FLOPs not counted).
+Then, on the after_ddp trainer's model, each attention implementation (`--attn`): whether transformers
+takes it, packed vs alone max |logprob diff| on the loss tokens of the first per-turn micro-batch (its
+samples; bf16 autocast), and its forward+backward time. JSON lines, then SUMMARY lines.
+
+    python bench/trainer_gpu.py [--size real|tiny] [--turns 4] [--rollouts 3] [--steps 2] [--deadline 220]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # screens.py, as the other benches
+START = time.perf_counter()
+REAL_TEXT = {
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+}
+REAL_VISION = {"depth": 32, "embed_dim": 1280, "num_heads": 16, "mlp_ratio": 4, "hidden_size": 1536}
+REPLY = " click the search field, type the query and press enter"
+
+
+def emit(event: str, **fields: Any) -> None:
+    line = {"event": event, "t": round(time.perf_counter() - START, 1), **fields}
+    print(json.dumps(line, default=str), flush=True)
+
+
+class ShardedWorldOfOne(int):
+    """World size 1 that compares as > 1: `Trainer` then takes its FSDP path on a one-rank group."""
+
+    def __gt__(self, other: object) -> bool:
+        return True if other == 1 else int(self) > other  # type: ignore[operator]
+
+
+def real_config(model_dir: Path, size: str) -> Any:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if size == "real":
+        text, vision = config.text_config, config.vision_config
+        for key, value in REAL_TEXT.items():
+            setattr(text, key, value)
+        text.layer_types = ["full_attention"] * text.num_hidden_layers
+        rope = dict(text.rope_parameters)
+        rope["mrope_section"] = [16, 24, 24]  # head_dim 128: 64 frequencies
+        text.rope_parameters = rope
+        for key, value in REAL_VISION.items():
+            setattr(vision, key, value)
+        config.save_pretrained(model_dir)
+    return config
+
+
+class ScreensEpisode:
+    """Turn t shows screenshot t (already offloaded); never done before the last turn."""
+
+    def __init__(self, uris: list[str]) -> None:
+        self.uris, self.turn = uris, 0
+
+    def _show(self, text: str) -> dict[str, Any]:
+        image = {"type": "image_url", "image_url": {"url": self.uris[self.turn]}}
+        return {"role": "user", "content": [image, {"type": "text", "text": text}]}
+
+    def start(self) -> list[dict[str, Any]]:
+        return [self._show("what should we do on this screen?")]
+
+    def step(self, reply: str) -> Any:
+        from rawmm.rl.envs import StepResult
+
+        self.turn += 1
+        if self.turn == len(self.uris):
+            return StepResult(reward=1.0, done=True)
+        return StepResult(reward=0.0, done=False, messages=[self._show("here is the new screen")])
+
+
+class ScriptedPool:
+    def __init__(self, tokens: list[int], logprob: float) -> None:
+        self.tokens, self.logprob = tokens, logprob
+
+    async def generate(self, key: str, request: Any) -> tuple[str, Any]:
+        from rawmm.contract.engine_api import GenerateResponse
+
+        n = len(self.tokens)
+        return "scripted", GenerateResponse(
+            token_ids=self.tokens, logprobs=[self.logprob] * n, finish_reason="stop", weights_version=0
+        )
+
+
+def play_rollouts(renderer: Any, uris: list[list[str]]) -> list[Any]:
+    import math
+
+    from rawmm.contract.engine_api import Sampling
+    from rawmm.rl.orchestrator.rollout import RolloutId, play
+
+    end = renderer.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    # about a random model's logprob: importance ratios near 1
+    pool = ScriptedPool([*renderer.tokenizer.encode(REPLY), end], -math.log(len(renderer.tokenizer)))
+
+    async def all_of_them() -> list[Any]:
+        return list(
+            await asyncio.gather(
+                *(
+                    play(
+                        ScreensEpisode(row),  # type: ignore[arg-type]
+                        RolloutId(1, index, 0),
+                        renderer=renderer,
+                        pool=pool,  # type: ignore[arg-type]
+                        sampling=Sampling(max_tokens=32, temperature=1.0),
+                        max_turns=len(row),
+                        run_seed=0,
+                    )
+                    for index, row in enumerate(uris)
+                )
+            )
+        )
+
+    return asyncio.run(all_of_them())
+
+
+def patches_encoded(samples: list[Any], micro_batch_tokens: int, *, once: bool) -> int:
+    from rawmm.rl.trainer.packing import pack_samples
+
+    total = 0
+    for micro in pack_samples(samples, micro_batch_tokens):
+        seen: dict[str, int] = {}
+        for image in micro.images:
+            (t, h, w), *_ = image.descriptor["payload"]["image_grid_thw"]
+            patches = t * h * w
+            if once:
+                seen[image.mm_hash] = patches
+            else:
+                total += patches
+        total += sum(seen.values())
+    return total
+
+
+def main() -> None:  # noqa: PLR0915 - one linear script
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=("real", "tiny"), default="real")
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--rollouts", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant")
+    parser.add_argument("--image", default="1280x720")
+    parser.add_argument("--max-pixels", type=int, default=12845056)
+    parser.add_argument("--micro-batch-tokens", type=int, default=6144)
+    parser.add_argument("--variants", default="before,after_fsdp,after_ddp,after_varlen")
+    parser.add_argument("--attn", default="sdpa,rawmm_varlen,flex_attention,flash_attention_2")
+    parser.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 peak (H200 measured)")
+    parser.add_argument("--deadline", type=float, default=220.0, help="seconds from start")
+    parser.add_argument("--work")
+    args = parser.parse_args()
+    width, height = (int(v) for v in args.image.split("x"))
+    work = Path(args.work or tempfile.mkdtemp(prefix="rawmm-gpu-step-"))
+
+    import torch
+    import torch.distributed as dist
+    from screens import screenshot_png
+    from transformers import AutoModelForImageTextToText
+
+    from rawmm.config import RunConfig
+    from rawmm.contract import OffloadStore
+    from rawmm.rl.orchestrator.rollout import PromptRenderer, branch_samples, turn_samples
+    from rawmm.rl.samples import RolloutBatch
+    from rawmm.rl.trainer.attention import register_varlen_attention
+    from rawmm.rl.trainer.distributed import DistContext
+    from rawmm.rl.trainer.forward import forward_logprobs
+    from rawmm.rl.trainer.loop import Trainer
+    from rawmm.rl.trainer.packing import concat_samples, pack_samples
+    from rawmm.rl.trainer.precision import autocast
+    from rawmm.run.tiny import build_tiny_model
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    emit("start", device=str(device), gpu=torch.cuda.get_device_name(0) if cuda else None, args=vars(args))
+    register_varlen_attention()
+
+    model_dir = build_tiny_model("qwen2_vl", work / "model", seed=0, max_pixels=args.max_pixels)
+    model_config = real_config(model_dir, args.size)
+    mbt = args.micro_batch_tokens
+    config = RunConfig.from_mapping(
+        {
+            "model": {"path": str(model_dir), "preset": "qwen2_vl", "processor_backend": "torchvision"},
+            "shared_dir": str(work / "shared"),
+            "trainer": {"steps": 1000, "learning_rate": 1e-6, "seq_len": mbt, "micro_batch_tokens": mbt},
+            "monitoring": {"trainer_metrics_port": 0, "orchestrator_metrics_port": 0},
+        }
+    )
+    store = OffloadStore(config.offload_dir)
+    uris = [
+        [store.put(screenshot_png(r * 100 + t, width, height)).uri for t in range(args.turns)]
+        for r in range(args.rollouts)
+    ]
+    renderer = PromptRenderer(model_dir, "qwen2_vl", "torchvision", store)
+    rollouts = play_rollouts(renderer, uris)
+    batches = {
+        "before": [s for r in rollouts for s in turn_samples(r, 1.0, renderer.placeholder_id)],
+        "after": [s for r in rollouts for s in branch_samples(r, 1.0, renderer.placeholder_id)],
+    }
+    for name, samples in batches.items():
+        too_long = max(len(s) for s in samples)
+        if too_long > mbt:
+            raise SystemExit(
+                f"a {name} sample has {too_long} tokens > --micro-batch-tokens {mbt}: fewer --turns"
+            )
+        emit(
+            "batch",
+            side=name,
+            samples=len(samples),
+            tokens=sum(len(s) for s in samples),
+            loss_tokens=sum(sum(s.loss_mask) for s in samples),
+            image_spans=sum(len(s.mm_refs) for s in samples),
+            micro_batches=len(pack_samples(samples, mbt)),
+        )
+
+    def build_on_device(cls: Any, path: Any, *a: Any, **kw: Any) -> Any:
+        with torch.device(device):
+            return AutoModelForImageTextToText.from_config(model_config, dtype=torch.float32)
+
+    AutoModelForImageTextToText.from_pretrained = classmethod(build_on_device)  # type: ignore[assignment,method-assign]
+
+    def one_rank_group() -> None:
+        if dist.is_initialized():
+            return
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if cuda:
+            torch.cuda.set_device(0)
+        backend = "nccl" if cuda else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+    trainer: Any = None
+    flops_per: dict[str, float] = {}
+
+    def make_trainer(sharded: bool) -> Any:
+        nonlocal trainer
+        trainer = None
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        if sharded:
+            one_rank_group()
+            ctx = DistContext(rank=0, world_size=ShardedWorldOfOne(1), device=device)
+        else:
+            ctx = DistContext(rank=0, world_size=1, device=device)
+        started = time.perf_counter()
+        parallelism = "fsdp" if sharded else "ddp"
+        trainer_config = config.trainer.model_copy(update={"parallelism": parallelism})
+        made = Trainer(config.model_copy(update={"trainer": trainer_config}), ctx)
+        made._checkpoint = lambda step: work / f"no-checkpoint-{step}"
+        base = made.model.model
+        vision = sum(p.numel() for p in base.visual.parameters())
+        text = sum(p.numel() for p in made.model.parameters()) - vision
+        text -= base.language_model.embed_tokens.weight.numel()  # a lookup, not a matmul
+        flops_per.update(text=6.0 * text, vision=6.0 * vision)
+        emit(
+            "trainer",
+            sharded=made.sharded,
+            seconds=round(time.perf_counter() - started, 1),
+            text_params=text,
+            vision_params=vision,
+        )
+        trainer = made
+        return made
+
+    results: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
+    last_step = 0.0
+
+    def run_variant(name: str, side: str, *, sharded: bool, attn: str, once: bool) -> None:
+        nonlocal last_step
+        if trainer is None or trainer.sharded != sharded:
+            make_trainer(sharded)
+        trainer.model.set_attn_implementation(attn)
+        trainer.encode_once = once
+        samples = batches[side]
+        tokens = sum(len(s) for s in samples)
+        patches = patches_encoded(samples, mbt, once=once)
+        rows = []
+        for i in range(args.steps + 1):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            r = trainer.train_step(RolloutBatch(step=trainer.step + 1, samples=samples))
+            if cuda:
+                torch.cuda.synchronize()
+            flops = flops_per["text"] * tokens + flops_per["vision"] * patches
+            row = {
+                "variant": name,
+                "warmup": i == 0,
+                "step_s": round(r.step_seconds, 3),
+                "materialize_s": round(r.materialize_seconds, 3),
+                "tokens": tokens,
+                "patches_encoded": patches,
+                "tokens_per_s": round(tokens / r.step_seconds, 1),
+                "rollouts_per_s": round(args.rollouts / r.step_seconds, 3),
+                "mfu": round(flops / r.step_seconds / (args.peak_tflops * 1e12), 4),
+                "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+                "loss": r.loss,
+                "loss_tokens": r.loss_tokens,
+                "grad_norm": r.grad_norm,
+            }
+            emit("step", **row)
+            if i:
+                rows.append(row)
+        results[name] = {
+            k: statistics.median(row[k] for row in rows)
+            for k in ("step_s", "tokens_per_s", "rollouts_per_s", "mfu", "peak_gib")
+            if rows[0][k] is not None
+        } | {"tokens": tokens, "patches_encoded": patches}
+        last_step = max(row["step_s"] for row in rows)
+
+    plans = {
+        "before": ("before", True, "sdpa", False),
+        "after_fsdp": ("after", True, "sdpa", True),
+        "after_ddp": ("after", False, "sdpa", True),
+        "after_varlen": ("after", False, "rawmm_varlen", True),
+    }
+    for name in [v for v in args.variants.split(",") if v]:
+        left = args.deadline - (time.perf_counter() - START)
+        if left < (args.steps + 1) * last_step * 1.5 + 20:
+            failed[name] = "skipped (deadline)"
+            continue
+        side, sharded, attn, once = plans[name]
+        try:
+            run_variant(name, side, sharded=sharded, attn=attn, once=once)
+        except Exception as exc:  # noqa: BLE001 - a variant's failure is a result
+            failed[name] = f"{type(exc).__name__}: {exc}"[:300]
+            emit("variant_error", variant=name, traceback=traceback.format_exc())
+            if "out of memory" in str(exc).lower():
+                trainer = None
+
+    emit("figures", results=results, failed=failed)
+    before = results.get("before")
+    parts = []
+    for name, f in results.items():
+        ratio = f" ({f['rollouts_per_s'] / before['rollouts_per_s']:.2f}x rollouts/s)" if before else ""
+        peak = f" peak {f['peak_gib']:.1f}GiB" if "peak_gib" in f else ""
+        parts.append(
+            f"{name}: step {f['step_s']:.2f}s {f['tokens_per_s']:.0f} tok/s "
+            f"{f['rollouts_per_s']:.2f} rollouts/s MFU {100 * f['mfu']:.1f}%{peak}{ratio}"
+        )
+    print("SUMMARY: steps | " + " | ".join(parts) + (f" | failed {failed}" if failed else ""), flush=True)
+    # Attention implementations on the unsharded trainer's model: the first per-turn micro-batch (a few samples).
+    attention: dict[str, dict[str, Any]] = {}
+    try:
+        if trainer is None or trainer.sharded:
+            make_trainer(False)
+    except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the step figures above still stand
+        print(f"SUMMARY: attention | no unsharded trainer: {type(exc).__name__}: {exc}"[:300], flush=True)
+        sys.exit(1)
+    model, materializer = trainer.model, trainer.materializer
+    micro = pack_samples(batches["before"], mbt)[0]
+    materializer.begin_step(10_000)
+    packed_m = materializer.materialize(micro)
+    alone_m = [materializer.materialize(concat_samples([s])) for s in micro.samples]
+    policy, normalizer = materializer.forward_policy, materializer.normalizer
+
+    def logprobs(m: Any) -> Any:
+        kwargs, index = m.unique_mm_kwargs()
+        return forward_logprobs(model, m.batch, kwargs, policy, normalizer=normalizer, image_index=index)
+
+    for impl in [a for a in args.attn.split(",") if a]:
+        if args.deadline - (time.perf_counter() - START) < 15:
+            attention[impl] = {"error": "skipped (deadline)"}
+            continue
+        try:
+            model.set_attn_implementation(impl)
+            with torch.no_grad(), autocast(device):
+                packed = logprobs(packed_m)
+                alone = torch.cat([logprobs(m) for m in alone_m])
+            mask = torch.tensor(micro.loss_mask, device=packed.device)
+            diff = (packed - alone).abs()[mask].max().item()
+            times = []
+            for _ in range(3):
+                if cuda:
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+                with autocast(device):
+                    out = logprobs(packed_m)
+                out[mask].sum().backward()
+                if cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - started)
+                model.zero_grad(set_to_none=True)
+            attention[impl] = {
+                "packed_vs_alone_max_diff": round(diff, 5),
+                "fwd_bwd_s": round(statistics.median(times[1:]), 3),
+                "tokens": len(micro),
+            }
+        except Exception as exc:  # noqa: BLE001 - an implementation transformers refuses is a result
+            attention[impl] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+            model.zero_grad(set_to_none=True)
+        emit("attention", impl=impl, **attention[impl])
+
+    print(
+        "SUMMARY: attention | "
+        + " | ".join(
+            f"{impl}: "
+            + (a["error"] if "error" in a else f"{a['fwd_bwd_s']:.3f}s diff {a['packed_vs_alone_max_diff']}")
+            for impl, a in attention.items()
+        ),
+        flush=True,
+    )
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(1 if any(not v.startswith("skipped") for v in failed.values()) else 0)
+
+
+if __name__ == "__main__":
+    main()
