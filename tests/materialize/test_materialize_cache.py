@@ -50,6 +50,13 @@ async def wait_started(work: Work) -> None:
     assert await asyncio.to_thread(work.started.wait, WAIT), "work never started"
 
 
+async def until(condition: Callable[[], bool]) -> None:
+    """Until ``condition`` holds (checked between other tasks' turns), at most ``WAIT``."""
+    async with asyncio.timeout(WAIT):
+        while not condition():
+            await asyncio.sleep(0.001)
+
+
 def never() -> Callable[[], Item]:
     def run() -> Item:
         raise AssertionError("the cache ran work it should have served from memory")
@@ -122,8 +129,7 @@ async def test_cancelling_the_first_requester_does_not_fail_the_others() -> None
     first = asyncio.create_task(cache.get("a", work))
     await wait_started(work)
     second = asyncio.create_task(cache.get("a", never()))
-    await asyncio.sleep(0)  # one loop turn: the second request joins the flight
-    assert cache.stats.inflight_joins == 1
+    await until(lambda: cache.stats.inflight_joins == 1)  # the second request has joined the flight
     first.cancel()
     with pytest.raises(asyncio.CancelledError):
         await first
