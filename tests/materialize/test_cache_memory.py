@@ -83,9 +83,11 @@ async def test_a_waiting_miss_joins_the_same_key_once_another_lease_caches_it() 
             ready.set()
             await release.wait()
 
-    async def wants_shared(got: asyncio.Event, release: asyncio.Event | None = None) -> None:
+    async def wants_shared(
+        got: asyncio.Event, asked: asyncio.Event, release: asyncio.Event | None = None
+    ) -> None:
         async with cache.lease() as lease:
-            await lease.get("shared", work("shared", 50), expected_bytes=lambda: 50)
+            await lease.get("shared", work("shared", 50), expected_bytes=lambda: asked.set() or 50)
             got.set()
             if release is not None:
                 await release.wait()  # keeps "shared" pinned: its "generation" is still running
@@ -93,10 +95,14 @@ async def test_a_waiting_miss_joins_the_same_key_once_another_lease_caches_it() 
     pinned, release_pin, first_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
     hold = asyncio.create_task(holder(pinned, release_pin))
     await pinned.wait()
-    first = asyncio.create_task(wants_shared(first_done, release_second))
-    second = asyncio.create_task(wants_shared(second_done))
-    await asyncio.sleep(0)  # both are waiting for room behind the oldest lease's 60 pinned bytes
-    assert not first_done.is_set() and not second_done.is_set()
+    misses = cache.stats.misses
+    first_asked, second_asked = asyncio.Event(), asyncio.Event()
+    first = asyncio.create_task(wants_shared(first_done, first_asked, release_second))
+    second = asyncio.create_task(wants_shared(second_done, second_asked))
+    # A request asks its size when it checks for room; one admitted would have counted its miss by now.
+    for asked in (first_asked, second_asked):
+        await asyncio.wait_for(asked.wait(), 5)
+        assert cache.stats.misses == misses and runs == ["pinned"]  # waiting behind the 60 pinned bytes
     release_pin.set()
     await hold
     await asyncio.wait_for(first_done.wait(), 5)
@@ -121,28 +127,37 @@ async def test_waiting_misses_are_sized_once_the_first_item_teaches_the_size() -
         known.append(10)  # what RequestImages learns from its first item
         return Item(10)
 
-    async def settle() -> None:
-        for _ in range(50):  # let every task run to its next wait
-            await asyncio.sleep(0)
+    asked: set[str] = set()
+
+    def expected(key: str) -> int | None:
+        asked.add(key)  # asked at every check for room: the request is waiting for room, or admitted
+        return known[0] if known else None
 
     async def one(key: str) -> None:
         async with cache.lease() as lease:
-            await lease.get(key, work, expected_bytes=lambda: known[0] if known else None)
+            await lease.get(key, work, expected_bytes=lambda: expected(key))
+
+    async def until(condition: Callable[[], bool]) -> None:
+        async with asyncio.timeout(5):
+            while not condition():
+                await asyncio.sleep(0.001)
 
     async with cache.lease() as oldest:  # the oldest lease never waits: keep it out of the way
         await oldest.get("warm", lambda: Item(10))
         tasks = [asyncio.create_task(one(f"k{i}")) for i in range(4)]
-        await settle()
-        assert (cache._unsized, cache._reserved) == (1, 0)  # unknown size: one at a time
+        # An admitted request counts its miss in the same turn as its check for room.
+        await until(lambda: len(asked) == 4)
+        assert cache.stats.misses == 1 + 1  # "warm", then one miss of unknown size at a time
         first.set()
-        async with asyncio.timeout(5):
-            while len(cache) < 2:  # the first miss is stored
-                await asyncio.sleep(0.01)
-        await settle()
-        assert (cache._unsized, cache._reserved) == (0, 3 * 10)  # the other three, now sized, run together
+        # Once the first item is stored, the other three are sized and admitted together, while none of
+        # their work has ended (`rest` holds it): one at a time, only one more miss would be counted.
+        await until(lambda: cache.stats.misses == 2 + 3)
+        assert len(cache) == 2 and not rest.is_set()
         rest.set()
         await asyncio.gather(*tasks)
-    assert (cache._unsized, cache._reserved) == (0, 0)
+        # Every reservation was given back: a miss needing every byte not pinned ("warm") gets in at once.
+        async with cache.lease() as probe:
+            await asyncio.wait_for(probe.get("probe", lambda: Item(990), expected_bytes=lambda: 990), 5)
 
 
 async def test_a_request_that_leaves_keeps_its_room_reserved_until_its_fill_ends() -> None:
@@ -160,9 +175,15 @@ async def test_a_request_that_leaves_keeps_its_room_reserved_until_its_fill_ends
 
         return run
 
+    asks = {key: 0 for key in "ab"}
+
+    def expected(key: str) -> int:
+        asks[key] += 1  # asked at every check for room
+        return 90
+
     async def request(key: str) -> None:
         async with cache.lease() as lease:
-            await lease.get(key, work(key), expected_bytes=lambda: 90)
+            await lease.get(key, work(key), expected_bytes=lambda: expected(key))
 
     async def until(condition: Callable[[], bool]) -> None:
         async with asyncio.timeout(5):
@@ -174,18 +195,22 @@ async def test_a_request_that_leaves_keeps_its_room_reserved_until_its_fill_ends
         first = asyncio.create_task(request("a"))
         await until(started["a"].is_set)
         second = asyncio.create_task(request("b"))
-        await until(lambda: len(cache._leases) == 3)  # b waits for room beside a's reservation
+        await until(lambda: asks["b"] == 1)  # b waits for room beside a's reservation
+        misses = cache.stats.misses
         first.cancel()  # its client hung up; its fill runs on
         with pytest.raises(asyncio.CancelledError):
             await first
-        for _ in range(20):
-            await asyncio.sleep(0)
-        assert not started["b"].is_set() and cache._reserved == 90  # still a's room
+        # a's lease ended and b checked for room again; admitted, it would have counted its miss by now.
+        await until(lambda: asks["b"] >= 2)
+        assert cache.stats.misses == misses and not started["b"].is_set()  # still a's room
         finish["a"].set()
         await until(started["b"].is_set)  # a's fill ended and was stored: now b fits
         finish["b"].set()
         await second
-    assert cache._reserved == 0 and "b" in cache
+        assert "b" in cache
+        # Every reservation was given back: a miss needing every byte not pinned ("warm") gets in at once.
+        async with cache.lease() as probe:
+            await asyncio.wait_for(probe.get("probe", lambda: Item(99), expected_bytes=lambda: 99), 5)
 
 
 ARENAS_PROBE = """
