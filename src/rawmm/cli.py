@@ -49,6 +49,8 @@ COMMANDS: dict[str, Command] = {
         "run engines, orchestrator and trainer locally on one machine until the run is done",
         "engine,trainer",
     ),
+    # plots need matplotlib; the blind ceiling line builds the run's (built-in) environment
+    "report": Command("report", "rebuild a run's report.html and plots from its output directory", "report"),
     "operator": Command(
         "operator", "run the Kubernetes operator that turns RLRun resources into running stacks", "operator"
     ),

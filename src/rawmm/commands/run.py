@@ -48,5 +48,6 @@ def run(args: argparse.Namespace) -> int:
         return 130
     from rawmm.run.progress import outcome
 
-    local_run.console.print(f"{outcome(summary)}\nsummary: {plan.summary_path}", soft_wrap=True)
+    report = f"\nreport: {local_run.report_path}" if local_run.report_path else ""
+    local_run.console.print(f"{outcome(summary)}\nsummary: {plan.summary_path}{report}", soft_wrap=True)
     return 0

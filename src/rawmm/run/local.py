@@ -32,6 +32,7 @@ from rawmm.contract.weights_token import WEIGHTS_TOKEN_ENV, new_token
 from rawmm.run.plan import LocalRunPlan
 from rawmm.run.processes import ChildProcess, Watchdog, rawmm_argv, stop_all
 from rawmm.run.progress import render, step_line
+from rawmm.run.report.data import TIMELINE_NAME
 from rawmm.run.scrape import health_version, scrape
 from rawmm.run.state import RunState
 
@@ -97,6 +98,8 @@ class LocalRun:
         self._started = time.monotonic()
         self._reported_dead: set[str] = set()
         self._healthy: set[str] = set()
+        self.report_path: Path | None = None  # report.html, once written at the end of the run
+        self._timeline_seen: set[tuple[str, int]] = set()
 
     @property
     def orchestrator_metrics_url(self) -> str:
@@ -216,11 +219,14 @@ class LocalRun:
 
     def _tick(self, http: httpx.Client, live: Live) -> None:
         self._check_engines_started(http)
+        events = []
         for child in (self.orchestrator, self.trainer):
             for line in child.new_log_lines():
                 event = self.state.read_line(line)
-                if event is not None and not self.console.is_terminal:
-                    self.console.print(step_line(event), soft_wrap=True)
+                if event is not None:
+                    events.append(event)
+                    if not self.console.is_terminal:
+                        self.console.print(step_line(event), soft_wrap=True)
         for engine, url in zip(self.engines, self.state.engine_urls, strict=False):
             if engine.poll() is not None and url not in self._reported_dead:
                 self._reported_dead.add(url)
@@ -228,7 +234,27 @@ class LocalRun:
                 self.state.warnings.append(message)
                 self.console.print(f"[red]{message}[/]")
         self._scrape(http)
+        self._record_timeline(events)
         live.update(self._view(), refresh=True)
+
+    def _record_timeline(self, events: list[dict[str, Any]]) -> None:
+        """One line per step event with the run's clock and the engines' cache counters as just scraped:
+        the engines' counters are cumulative, so the report takes per-step hit rates from differences."""
+        fresh = [e for e in events if (e["event"], e["step"]) not in self._timeline_seen]
+        if not fresh:
+            return
+        elapsed = round(time.monotonic() - self._started, 3)
+        with (self.plan.output_dir / TIMELINE_NAME).open("a") as timeline:
+            for event in fresh:
+                self._timeline_seen.add((event["event"], event["step"]))
+                entry = {
+                    "event": event["event"],
+                    "step": event["step"],
+                    "elapsed_seconds": elapsed,
+                    "cache_hits": self.state.cache_hits,
+                    "cache_misses": self.state.cache_misses,
+                }
+                timeline.write(json.dumps(entry) + "\n")
 
     def _scrape(self, http: httpx.Client) -> None:
         for url in self.state.engine_urls:
@@ -261,6 +287,19 @@ class LocalRun:
                 wall_seconds=time.monotonic() - self._started,
             )
             self.plan.summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+            self._write_report()
+
+    def _write_report(self) -> None:
+        """report.html and plots/ from what the run left on disk; a run never fails on its report."""
+        try:
+            from rawmm.run.report import build_report
+
+            self.report_path = build_report(self.plan.output_dir)
+        except ModuleNotFoundError as exc:  # matplotlib is the report extra's
+            self.console.print(f"no report: {exc} (pip install 'rawmm[report]', then rawmm report DIR)")
+        except Exception as exc:  # noqa: BLE001 - the summary is written; the report is a view of it
+            log.exception("writing the run report failed")
+            self.console.print(f"[red]no report:[/] {type(exc).__name__}: {exc}")
 
     def _stop_children(self) -> None:
         # A second Ctrl-C (or SIGTERM) while stopping must not cut the shutdown short and leave orphans.
