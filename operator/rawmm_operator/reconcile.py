@@ -32,6 +32,8 @@ from rawmm_operator.status import (
     TERMINAL_PHASES,
     Applying,
     Observed,
+    ObservedAs,
+    Pods,
     Progress,
     RLRunStatus,
     Transition,
@@ -207,9 +209,13 @@ class Reconciler:
             deadline and previous.start_time and seconds_between(previous.start_time, now) >= deadline
         )
 
+        # Read once per pass: a role is Running only when its pods are, and they say why they are not.
+        pods = self.api.list("Pod", run.namespace, {RUN_LABEL: run.name})
+
         def observed() -> Observed:
             children = {role: live[key] for role, key in observed_keys.items()}
-            return Observed(claim_name=claim, claim_event=claim_event, **children)
+            owned: dict[ObservedAs, Pods] = {role: _pods_of(child, pods) for role, child in children.items()}
+            return Observed(claim_name=claim, claim_event=claim_event, pods=owned, **children)
 
         ended = run_ended(observed=observed(), previous=previous, deadline_exceeded=exceeded)
         stage = stage_of(spec, ended, previous, now)
@@ -345,6 +351,18 @@ class Reconciler:
         if patch:
             meta = body["metadata"]
             self.api.patch(KIND, meta["namespace"], meta["name"], {"status": patch}, subresource="status")
+
+
+def _pods_of(owner: dict[str, Any] | None, pods: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
+    """The pods `owner` (a Job, the StatefulSet) controls: a replaced Job's last pods are not the new one's."""
+    uid = ((owner or {}).get("metadata") or {}).get("uid")
+    if uid is None:
+        return ()
+    return tuple(
+        pod
+        for pod in pods
+        if any(ref.get("uid") == uid for ref in (pod.get("metadata") or {}).get("ownerReferences") or [])
+    )
 
 
 def _child_transitions(actions: dict[str, str]) -> list[Transition]:

@@ -13,8 +13,21 @@ from pydantic.alias_generators import to_camel
 Phase = Literal["Pending", "Provisioning", "Running", "Succeeded", "Failed", "Suspended"]
 TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
 INVALID_SPEC = "InvalidSpec"
+# Container waiting reasons of a pod that will not start by itself: the kubelet's words for what blocks it.
+STUCK_CONTAINER_REASONS = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+        "CrashLoopBackOff",
+    }
+)
+UNSCHEDULABLE = "Unschedulable"
 # Condition reasons that are a warning event when they appear.
-WARNING_REASONS = frozenset({"Failed", "ChildRejected"})
+WARNING_REASONS = frozenset({"Failed", "ChildRejected", UNSCHEDULABLE, *STUCK_CONTAINER_REASONS})
 TIMESTAMP: dict[str, Any] = {"format": "date-time"}
 
 
@@ -89,9 +102,13 @@ class RLRunStatus(StatusModel):
 ObservedAs = Literal["claim", "engines", "orchestrator", "trainer"]
 
 
+Pods = tuple[dict[str, Any], ...]
+
+
 @dataclass(frozen=True)
 class Observed:
-    """The children the status is derived from, as read from the API (None = not found)."""
+    """The children the status is derived from, as read from the API (None = not found), and the pods of
+    each: a role runs only when its pods do, and they say why they do not."""
 
     claim_name: str
     claim: dict[str, Any] | None
@@ -99,6 +116,10 @@ class Observed:
     orchestrator: dict[str, Any] | None
     trainer: dict[str, Any] | None
     claim_event: str | None = None  # the newest event of a claim that is not bound ("reason: message")
+    pods: dict[ObservedAs, Pods] = field(default_factory=dict)
+
+    def pods_of(self, role: ObservedAs) -> Pods:
+        return self.pods.get(role, ())
 
 
 @dataclass(frozen=True)
@@ -129,26 +150,81 @@ class Transition:
     message: str
 
 
-def job_summary(job: dict[str, Any] | None) -> tuple[JobSummary, str]:
-    """The Job's state and a message (the failure message when it failed)."""
+def pod_problem(pods: Pods) -> tuple[str, str] | None:
+    """(reason, message) of the first pod (by name) that cannot run by itself, in the scheduler's or the
+    kubelet's words: not schedulable, or a container stuck waiting (image pull, config, crash loop)."""
+    for pod in sorted(pods, key=lambda p: str((p.get("metadata") or {}).get("name"))):
+        name = (pod.get("metadata") or {}).get("name")
+        status = pod.get("status") or {}
+        for condition in status.get("conditions") or []:
+            if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+                reason = condition.get("reason") or UNSCHEDULABLE
+                return reason, f"pod {name}: {condition.get('message') or reason}"
+        containers = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+        for container in containers:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in STUCK_CONTAINER_REASONS:
+                detail = f": {waiting['message']}" if waiting.get("message") else ""
+                return waiting[
+                    "reason"
+                ], f"pod {name} container {container.get('name')}: {waiting['reason']}{detail}"
+    return None
+
+
+def _pods_in(pods: Pods, *phases: str) -> int:
+    """How many of `pods` are in one of `phases` (a pod being deleted counts in none)."""
+    return sum(
+        1
+        for pod in pods
+        if (pod.get("status") or {}).get("phase") in phases
+        and not (pod.get("metadata") or {}).get("deletionTimestamp")
+    )
+
+
+def job_summary(job: dict[str, Any] | None, pods: Pods = ()) -> tuple[JobSummary, str, str]:
+    """The Job's state, the reason a condition gives for it, and a message (the failure message when it
+    failed). Running only when as many of its pods run as it runs at once; otherwise the pods' own
+    problem when they have one."""
     if job is None:
-        return JobSummary(), "not created yet"
+        return JobSummary(), "NotCreated", "not created yet"
     status = job.get("status") or {}
+    spec = job.get("spec") or {}
     counts = {key: int(status.get(key) or 0) for key in ("active", "succeeded", "failed")}
     true_conditions = {
         c.get("type"): c.get("message") or c.get("reason") or ""
         for c in status.get("conditions") or []
         if c.get("status") == "True"
     }
-    if "Failed" in true_conditions:
-        return JobSummary(state="Failed", **counts), true_conditions["Failed"] or "the Job failed"
-    if "Complete" in true_conditions:
-        return JobSummary(state="Succeeded", **counts), "completed"
-    if (job.get("spec") or {}).get("suspend"):
-        return JobSummary(state="Suspended", **counts), "suspended"
+    # The Job controller says FailureTarget / SuccessCriteriaMet first, Failed / Complete once its pods are
+    # gone: the outcome is known at the first (a finished run never goes back to waiting in between).
+    for condition in ("Failed", "FailureTarget"):
+        if condition in true_conditions:
+            return (
+                JobSummary(state="Failed", **counts),
+                "Failed",
+                true_conditions[condition] or "the Job failed",
+            )
+    completions = int(spec.get("completions") or 1)
+    # A pod that ended is counted by the Job controller a moment later: its pods say it first.
+    succeeded = max(counts["succeeded"], _pods_in(pods, "Succeeded"))
+    if {"Complete", "SuccessCriteriaMet"} & set(true_conditions) or succeeded >= completions:
+        return JobSummary(state="Succeeded", **counts), "Succeeded", "completed"
+    if spec.get("suspend"):
+        return JobSummary(state="Suspended", **counts), "Suspended", "suspended"
+    at_once = min(int(spec.get("parallelism") or 1), completions - succeeded)
+    running, ended = _pods_in(pods, "Running"), _pods_in(pods, "Succeeded", "Failed")
+    if counts["active"] and running >= at_once:
+        return JobSummary(state="Running", **counts), "Running", f"{running} pod(s) running"
+    if counts["active"] and running + ended >= at_once and not _pods_in(pods, "Pending"):
+        # Its pods ran and some ended; the Job controller has yet to say what that means (a retry, a failure).
+        message = f"{running} pod(s) running, {ended} ended"
+        return JobSummary(state="Running", **counts), "Running", message
+    if (problem := pod_problem(pods)) is not None:
+        return JobSummary(state="Pending", **counts), *problem
     if counts["active"]:
-        return JobSummary(state="Running", **counts), f"{counts['active']} pod(s) active"
-    return JobSummary(state="Pending", **counts), "waiting for its pods"
+        message = f"{running}/{at_once} pod(s) running; waiting for the others to start"
+        return JobSummary(state="Pending", **counts), "Pending", message
+    return JobSummary(state="Pending", **counts), "Pending", "waiting for its pods"
 
 
 class _Check(NamedTuple):
@@ -201,8 +277,10 @@ def _sticky(previous: RLRunStatus) -> bool:
 def run_ended(*, observed: Observed, previous: RLRunStatus, deadline_exceeded: bool) -> bool:
     """Whether `derive_status` would give a terminal phase (Succeeded or Failed) for these children:
     what the reconciler needs before it converges them, without deriving the whole status twice."""
-    orchestrator, orchestrator_message = job_summary(observed.orchestrator)
-    trainer, trainer_message = job_summary(observed.trainer)
+    orchestrator, _, orchestrator_message = job_summary(
+        observed.orchestrator, observed.pods_of("orchestrator")
+    )
+    trainer, _, trainer_message = job_summary(observed.trainer, observed.pods_of("trainer"))
     failed, succeeded = _ending(
         orchestrator, orchestrator_message, trainer, trainer_message, deadline_exceeded
     )
@@ -261,27 +339,36 @@ def derive_status(
         inference = _Check("InferenceReady", False, reason, "the engines are scaled to 0")
     else:
         ready = engines.ready_replicas >= engines.replicas
+        counted = f"{engines.ready_replicas}/{engines.replicas} engine replicas ready"
+        problem = None if ready else pod_problem(observed.pods_of("engines"))
         inference = _Check(
             "InferenceReady",
             ready,
-            "AllReplicasReady" if ready else "ReplicasNotReady",
-            f"{engines.ready_replicas}/{engines.replicas} engine replicas ready",
+            "AllReplicasReady" if ready else problem[0] if problem else "ReplicasNotReady",
+            f"{counted}: {problem[1]}" if problem else counted,
         )
 
-    orchestrator, orchestrator_message = job_summary(observed.orchestrator)
-    trainer, trainer_message = job_summary(observed.trainer)
-    if not suspend:
+    orchestrator, orchestrator_reason, orchestrator_message = job_summary(
+        observed.orchestrator, observed.pods_of("orchestrator")
+    )
+    trainer, trainer_reason, trainer_message = job_summary(observed.trainer, observed.pods_of("trainer"))
+    failed, succeeded = _ending(
+        orchestrator, orchestrator_message, trainer, trainer_message, deadline_exceeded
+    )
+    if failed.ok or succeeded or _sticky(previous):
+        # The operator itself suspends a finished run's surviving Jobs (releasing their pods).
+        stopped = f"suspended by the operator: the run {'failed' if failed.ok else 'ended'}"
+        orchestrator_message = stopped if orchestrator.state == "Suspended" else orchestrator_message
+        trainer_message = stopped if trainer.state == "Suspended" else trainer_message
+    elif not suspend:
         # Suspended by someone else: a queue (Kueue) admits the Job by unsuspending it; the operator waits.
         external = "suspended by another controller: waiting for admission (e.g. a Kueue queue)"
         orchestrator_message = external if orchestrator.state == "Suspended" else orchestrator_message
         trainer_message = external if trainer.state == "Suspended" else trainer_message
     orchestrating = _Check(
-        "OrchestratorRunning", orchestrator.state == "Running", orchestrator.state, orchestrator_message
+        "OrchestratorRunning", orchestrator.state == "Running", orchestrator_reason, orchestrator_message
     )
-    training = _Check("TrainerRunning", trainer.state == "Running", trainer.state, trainer_message)
-    failed, succeeded = _ending(
-        orchestrator, orchestrator_message, trainer, trainer_message, deadline_exceeded
-    )
+    training = _Check("TrainerRunning", trainer.state == "Running", trainer_reason, trainer_message)
     complete = _Check(
         "Complete",
         succeeded,

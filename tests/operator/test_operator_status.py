@@ -36,14 +36,38 @@ def job(
     return {"spec": {"suspend": suspend}, "status": status}
 
 
-def observed(**children: Any) -> Observed:
+def pod(
+    name: str = "p",
+    phase: str = "Running",
+    *,
+    unschedulable: str = "",
+    waiting: tuple[str, str] | None = None,
+) -> dict[str, Any]:
+    """A pod as the API shows it: Running, or Pending unschedulable (the scheduler's message), or with a
+    container waiting (the kubelet's reason and message)."""
+    status: dict[str, Any] = {"phase": phase}
+    if unschedulable:
+        status["conditions"] = [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": unschedulable}
+        ]
+    if waiting:
+        status["containerStatuses"] = [
+            {"name": "main", "state": {"waiting": {"reason": waiting[0], "message": waiting[1]}}}
+        ]
+    return {"metadata": {"name": name}, "status": status}
+
+
+RUNNING_PODS = {"engines": (pod("e-0"), pod("e-1")), "orchestrator": (pod("o"),), "trainer": (pod("t"),)}
+
+
+def observed(*, pods: dict[str, Any] | None = None, **children: Any) -> Observed:
     base: dict[str, Any] = {
         "claim": claim(),
         "engines": engines(2, 2),
         "orchestrator": job(active=1),
         "trainer": job(active=1),
     }
-    return Observed(claim_name="r-offload", **{**base, **children})
+    return Observed(claim_name="r-offload", pods={**RUNNING_PODS, **(pods or {})}, **{**base, **children})
 
 
 def derive(
@@ -217,6 +241,74 @@ def test_an_active_deadline_fails_the_run_with_its_reason() -> None:
     assert (status.phase, status.reason) == ("Failed", "DeadlineExceeded")
     done = derive(observed(trainer=job(condition="Complete")), deadline_exceeded=True)
     assert done.phase == "Succeeded"
+
+
+def test_a_job_whose_pods_do_not_run_is_not_running_and_says_why_in_the_schedulers_words() -> None:
+    message = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu. preemption: 0/3 nodes are available"
+    status = derive(observed(pods={"trainer": (pod("t", "Pending", unschedulable=message),)}))
+    assert status.phase == "Provisioning"  # not Running: the trainer's pod is not
+    trainer = status.condition("TrainerRunning")
+    assert trainer is not None and (trainer.status, trainer.reason) == ("False", "Unschedulable")
+    assert trainer.message == f"pod t: {message}"
+    assert ("Warning", "Unschedulable") in [(t.type, t.reason) for t in transitions(RLRunStatus(), status)]
+    # Active but not yet started, with nothing wrong: still not Running.
+    waiting = derive(observed(pods={"trainer": (pod("t", "Pending"),)})).condition("TrainerRunning")
+    assert waiting is not None and waiting.status == "False" and "0/1 pod(s) running" in waiting.message
+
+
+def test_an_engine_that_cannot_pull_its_image_says_so_with_the_kubelets_message() -> None:
+    pull = ("ImagePullBackOff", 'Back-off pulling image "registry.example/rawmm-inference:typo"')
+    status = derive(
+        observed(engines=engines(2, 1), pods={"engines": (pod("e-0"), pod("e-1", "Pending", waiting=pull))})
+    )
+    inference = status.condition("InferenceReady")
+    assert inference is not None and (inference.status, inference.reason) == ("False", "ImagePullBackOff")
+    assert (
+        inference.message == f"1/2 engine replicas ready: pod e-1 container main: ImagePullBackOff: {pull[1]}"
+    )
+
+
+def test_a_multi_node_trainer_runs_only_when_every_node_does() -> None:
+    two = {**job(active=2), "spec": {"completions": 2, "parallelism": 2}}
+    half = derive(observed(trainer=two, pods={"trainer": (pod("t-0"), pod("t-1", "Pending"))}))
+    assert half.phase == "Provisioning"
+    both = derive(observed(trainer=two, pods={"trainer": (pod("t-0"), pod("t-1"))}))
+    assert both.phase == "Running"
+
+
+@pytest.mark.parametrize("condition", ["SuccessCriteriaMet", None])
+def test_a_finished_trainer_is_success_before_its_job_says_complete(condition: str | None) -> None:
+    """The Job controller says SuccessCriteriaMet (or counts the success) before Complete, once its pods are
+    gone: the run goes from Running to Succeeded, never through Provisioning."""
+    finishing = job(condition=condition)
+    finishing["status"]["succeeded"] = 1
+    running = derive(observed())
+    status = derive(observed(trainer=finishing, pods={"trainer": ()}), running, now=T1)
+    assert status.phase == "Succeeded"
+    phases = [t.message for t in transitions(running, status) if t.message.startswith("phase")]
+    assert phases == ["phase Running -> Succeeded"]
+
+
+def test_a_pod_that_ended_before_its_job_counted_it_keeps_the_phase() -> None:
+    """Between a pod's end and the Job controller's count, the run neither drops to Provisioning nor waits."""
+    running = derive(observed())
+    done = derive(observed(pods={"trainer": (pod("t", "Succeeded"),)}), running, now=T1)
+    assert done.phase == "Succeeded"
+    crashed = derive(observed(pods={"trainer": (pod("t", "Failed"),)}), running, now=T1)
+    assert crashed.phase == "Running"  # until the Job controller says Failed (or starts a replacement)
+    replacing = derive(
+        observed(pods={"trainer": (pod("t", "Failed"), pod("t2", "Pending"))}), running, now=T1
+    )
+    assert replacing.phase == "Provisioning"
+
+
+def test_jobs_the_operator_suspended_after_the_run_failed_are_not_reported_as_queued() -> None:
+    status = derive(
+        observed(trainer=job(condition="Failed", message="exit 1"), orchestrator=job(suspend=True))
+    )
+    orchestrator = status.condition("OrchestratorRunning")
+    assert orchestrator is not None and orchestrator.message == "suspended by the operator: the run failed"
+    assert "Kueue" not in orchestrator.message
 
 
 def test_a_job_suspended_by_a_queue_waits_for_admission() -> None:

@@ -384,6 +384,101 @@ def test_a_failed_run_releases_every_pod(run: Run) -> None:
     assert run.get("statefulset", "exp-engine")["spec"]["replicas"] == 0
 
 
+def phase_changes(run: Run) -> list[str]:
+    """The run's phase transitions, oldest first, as its events tell them ("Running -> Succeeded")."""
+    events = sorted(run.events(), key=lambda e: e.get("firstTimestamp") or e["metadata"]["creationTimestamp"])
+    return [
+        e["message"].removeprefix("phase ").split(":")[0] for e in events if e["message"].startswith("phase ")
+    ]
+
+
+def test_a_role_is_running_only_when_its_pods_run_and_says_why_not_in_the_schedulers_words(run: Run) -> None:
+    """A trainer pod no fake node can hold (16 GPUs; each has 8) is active for its Job but Pending: the run is
+    not Running, and TrainerRunning carries the scheduler's own message."""
+    run.create({**SPEC, "trainer": {**SPEC["trainer"], "gpusPerNode": 16}})
+    run.until(lambda: run.pods("trainer"), "the trainer's pod")
+    training = run.until(
+        lambda: (
+            run.condition("TrainerRunning")
+            if run.condition("TrainerRunning").get("reason") == "Unschedulable"
+            else None
+        ),
+        "TrainerRunning=False Unschedulable",
+    )
+    assert training["status"] == "False" and "Insufficient nvidia.com/gpu" in training["message"], training
+    run.until(lambda: len(run.running("orchestrator")) == 1, "the orchestrator Running")
+    passes = run.operator.reconciles()
+    run.until(lambda: run.operator.reconciles() >= passes + 3, "three more passes")
+    assert run.status()["phase"] == "Provisioning"
+    assert not [change for change in phase_changes(run) if change.endswith("-> Running")]
+    warnings = [e for e in run.events() if e["type"] == "Warning" and e["reason"] == "Unschedulable"]
+    assert warnings and "Insufficient nvidia.com/gpu" in warnings[0]["message"]
+
+
+def test_an_engine_that_cannot_pull_its_image_says_so_with_the_kubelets_message(run: Run) -> None:
+    run.create(SPEC)
+    run.wait_running()
+    pod = run.running("engine")[0]
+    message = 'Back-off pulling image "registry.example/rawmm-inference:typo"'
+    # What the kubelet reports for a container whose image cannot be pulled.
+    run.set_pod_status(
+        pod["metadata"]["name"],
+        {
+            "phase": "Pending",
+            "conditions": [
+                {"type": "Ready", "status": "False"},
+                {"type": "ContainersReady", "status": "False"},
+            ],
+            "containerStatuses": [
+                {
+                    "name": pod["spec"]["containers"][0]["name"],
+                    "image": pod["spec"]["containers"][0]["image"],
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": 0,
+                    "state": {"waiting": {"reason": "ImagePullBackOff", "message": message}},
+                }
+            ],
+        },
+    )
+    inference = run.until(
+        lambda: (
+            run.condition("InferenceReady")
+            if run.condition("InferenceReady").get("reason") == "ImagePullBackOff"
+            else None
+        ),
+        "InferenceReady=False ImagePullBackOff",
+    )
+    assert inference["status"] == "False" and message in inference["message"], inference
+    assert pod["metadata"]["name"] in inference["message"]
+
+
+def test_a_finished_run_goes_from_running_to_succeeded_without_provisioning(run: Run) -> None:
+    run.create(SPEC)
+    run.wait_running()
+    (trainer,) = run.running("trainer")
+    run.cluster.finish_pod(run.namespace, trainer["metadata"]["name"], 0)
+    run.until(lambda: run.status().get("phase") == "Succeeded", "phase Succeeded")
+    changes = phase_changes(run)
+    assert changes[-1] == "Running -> Succeeded", changes
+    assert "Running -> Provisioning" not in changes, changes
+
+
+def test_jobs_the_operator_suspends_after_a_failure_are_not_reported_as_queued(run: Run) -> None:
+    run.create(SPEC)
+    run.wait_running()
+    (trainer,) = run.running("trainer")
+    run.cluster.finish_pod(run.namespace, trainer["metadata"]["name"], 1)
+    run.until(
+        lambda: run.get("job", "exp-orchestrator")["spec"]["suspend"] is True, "the orchestrator suspended"
+    )
+    passes = run.operator.reconciles()
+    run.until(lambda: run.operator.reconciles() >= passes + 2, "two more passes")
+    orchestrating = run.condition("OrchestratorRunning")
+    assert orchestrating["message"] == "suspended by the operator: the run failed", orchestrating
+    assert run.status()["reason"] == "TrainerFailed"
+
+
 def test_a_queues_suspend_and_admission_are_never_overruled(run: Run) -> None:
     run.create(SPEC, labels={"kueue.x-k8s.io/queue-name": "team-a"})
     run.until(lambda: run.find("job", "exp-trainer") is not None, "the Jobs")
