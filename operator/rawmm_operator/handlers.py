@@ -42,6 +42,9 @@ class LoopTiming:
 
 
 DEFAULT_TIMING = LoopTiming()
+# The operator's own log lines, each naming its run (`rlrun <namespace>/<name>: ...`): kopf's object logger
+# names the object only under kopf's own formatter, and `rawmm operator` logs with a plain one.
+log = logging.getLogger("rawmm.operator")
 
 
 def operator_settings() -> kopf.OperatorSettings:
@@ -86,7 +89,7 @@ def build_registry(
     kopf.on.login(registry=registry)(login)
 
     @kopf.on.event(API_GROUP, API_VERSION, PLURAL, id="rlrun", registry=registry)
-    async def run_event(event: dict[str, Any], namespace: str, name: str, logger: Any, **_: Any) -> None:
+    async def run_event(event: dict[str, Any], namespace: str, name: str, **_: Any) -> None:
         key = (namespace, name)
         body = dict(event.get("object") or {})
         if event.get("type") == "DELETED":
@@ -97,7 +100,7 @@ def build_registry(
         loop = loops.get(key)
         if loop is None or (loop.task is not None and loop.task.done()):  # new, or its loop died: (re)start
             loop = loops[key] = _Loop(body)
-            loop.task = asyncio.create_task(run_loop(key, loop, logger), name=f"rlrun {namespace}/{name}")
+            loop.task = asyncio.create_task(run_loop(key, loop), name=f"rlrun {namespace}/{name}")
             return
         spec_changed = body.get("metadata", {}).get("generation") != loop.generation
         loop.body = body
@@ -126,7 +129,7 @@ def build_registry(
         finally:
             RECONCILE_SECONDS.observe(time.perf_counter() - started)
 
-    async def run_loop(key: tuple[str, str], loop: _Loop, logger: Any) -> None:
+    async def run_loop(key: tuple[str, str], loop: _Loop) -> None:
         namespace, name = key
         failures = 0
         blocked_generation: int | None = None  # the invalid generation we wait to see replaced
@@ -140,8 +143,12 @@ def build_registry(
                     except Exception as exc:  # API errors and bugs alike: report, back off, retry
                         failures += 1
                         RECONCILES.labels(result="error").inc()
-                        logger.warning(
-                            f"reconcile failed ({failures} in a row): {exc}",
+                        log.warning(
+                            "rlrun %s/%s: reconcile failed (%d in a row): %s",
+                            namespace,
+                            name,
+                            failures,
+                            exc,
                             exc_info=not isinstance(exc, ApiError),
                         )
                         if failures == 1:
@@ -156,6 +163,7 @@ def build_registry(
                     else:
                         failures = 0
                     if outcome is not None:
+                        _log_outcome(namespace, name, outcome, failures)
                         for transition in outcome.transitions:
                             kopf.event(
                                 outcome.body,
@@ -180,6 +188,23 @@ def build_registry(
             reconciler.forget(namespace, name)
 
     return registry
+
+
+def _log_outcome(namespace: str, name: str, outcome: Outcome, failures: int) -> None:
+    """What a pass did, naming the run: every transition (what its events say) and every child the API
+    server refused (a 422 is the user's to fix, so it is a warning every time it is retried)."""
+    for transition in outcome.transitions:
+        level = logging.WARNING if transition.type == "Warning" else logging.INFO
+        log.log(level, "rlrun %s/%s: %s: %s", namespace, name, transition.reason, transition.message)
+    for child, message in sorted(outcome.applying.rejected.items()):
+        log.warning(
+            "rlrun %s/%s: the API server rejected %s (retry %d): %s",
+            namespace,
+            name,
+            child,
+            failures,
+            message,
+        )
 
 
 def _backoff(timing: LoopTiming, failures: int) -> float:

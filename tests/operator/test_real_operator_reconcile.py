@@ -301,11 +301,18 @@ def test_a_refused_child_is_a_condition_and_retried_never_a_failed_run(run: Run)
         assert run.find("job", "exp-orchestrator") is not None  # the other children are applied
         assert run.status()["phase"] != "Failed"
         assert ("Warning", "ChildRejected") in {(e["type"], e["reason"]) for e in run.events()}
+        # The operator's log names the run and says what the server refused (not only "Handler succeeded").
+        rejected = f"rlrun {run.namespace}/exp: the API server rejected Job/exp-trainer"
+        run.until(lambda: rejected in run.operator.process.log(), "the rejection in the operator's log")
+        lines = [line for line in run.operator.process.log().splitlines() if rejected in line]
+        assert "WARNING" in lines[0] and "no trainers here" in lines[0], lines[0]
     finally:
         run.cluster.kubectl("delete", "-f", "-", "--ignore-not-found", input=manifest)
     # Retried with backoff (at most a minute apart): the Job appears once nothing refuses it.
     run.until(lambda: run.find("job", "exp-trainer") is not None, "the trainer Job", timeout=120)
     run.until(lambda: run.condition("Reconciled").get("reason") == "Applied", "Reconciled again")
+    # Each transition is a log line naming the run, as its event.
+    assert f"rlrun {run.namespace}/exp: Applied: Reconciled=True" in run.operator.process.log()
 
 
 def test_a_child_whose_patch_cannot_be_built_is_rejected_and_the_pass_goes_on(run: Run) -> None:
