@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from rawmm.contract import FeatureImage
 from rawmm.contract.engine_api import Sampling, temperature_problem
+from rawmm.contract.weight_transfer import TransferInit, TransferUpdate
 from rawmm.materialize import EngineItem, LoadedProcessor
 
 
@@ -82,6 +83,9 @@ class WeightsGate:
                 self._changed.notify_all()
 
 
+_NO_BROADCAST = "this engine takes weights from checkpoints only (no weight broadcast)"
+
+
 class Engine(ABC):
     """A model behind the rawmm routes: generates from token ids plus materialized images."""
 
@@ -132,6 +136,20 @@ class Engine(ABC):
     @abstractmethod
     async def load_weights(self, path: str) -> int:
         """Load new weights from a checkpoint directory; returns the new weights version."""
+
+    # The broadcast path (rawmm.contract.weight_transfer): engines that cannot take it refuse every step.
+    async def init_weight_transfer(self, info: TransferInit) -> None:
+        raise InvalidRequest(_NO_BROADCAST, reason="weight_transfer_unsupported")
+
+    async def start_weight_update(self) -> None:
+        raise InvalidRequest(_NO_BROADCAST, reason="weight_transfer_unsupported")
+
+    async def update_weights(self, update: TransferUpdate) -> None:
+        raise InvalidRequest(_NO_BROADCAST, reason="weight_transfer_unsupported")
+
+    async def finish_weight_update(self) -> int:
+        """Resume on the received weights; returns the new weights version."""
+        raise InvalidRequest(_NO_BROADCAST, reason="weight_transfer_unsupported")
 
     @abstractmethod
     async def close(self) -> None:

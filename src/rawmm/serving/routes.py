@@ -1,5 +1,7 @@
 """The rawmm HTTP routes of an engine replica, and how errors become responses.
 
+Weights arrive by checkpoint (``/v1/rawmm/weights``) or by broadcast (``rawmm.serving.weight_transfer_routes``).
+
 Client errors never become a 500, and every 4xx body is ``{"error": {"type", "reason", "message"}}`` with a
 stable snake_case ``reason``: a bad image ref is a 400 ``invalid_mm_image_ref`` (reasons of
 docs/architecture.md §3.5, counted in ``rawmm_invalid_mm_image_ref_total{reason}``); a malformed body or an
@@ -50,6 +52,7 @@ from rawmm.serving import metrics
 from rawmm.serving.engine import Engine, EngineUnavailable, InvalidRequest
 from rawmm.serving.guard import WEIGHTS_DISABLED, WeightsGuard, WeightsRefused
 from rawmm.serving.images import RequestImages
+from rawmm.serving.weight_transfer_routes import build_weight_transfer_router
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +242,19 @@ def build_router(engine: Engine, images: RequestImages, guard: WeightsGuard = WE
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
+    def failed(message: str) -> JSONResponse:
+        return _error(500, "internal_error", "internal_error", message)
+
+    router.include_router(
+        build_weight_transfer_router(
+            engine,
+            guard,
+            parse=_parse_body,
+            refused=weights_refused_response,
+            invalid=invalid_request_response,
+            failed=failed,
+        )
+    )
     return router
 
 

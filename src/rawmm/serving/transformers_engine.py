@@ -18,16 +18,19 @@ import secrets
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rawmm.contract.engine_api import Sampling
+from rawmm.contract.weight_transfer import TransferInit, TransferUpdate
 from rawmm.materialize import LoadedProcessor, collate, get_adapter
 from rawmm.materialize.normalize import PixelNormalizer
-from rawmm.serving.engine import Engine, Generation, ImageInput, InvalidRequest
+from rawmm.serving.engine import Engine, EngineUnavailable, Generation, ImageInput, InvalidRequest
 from rawmm.serving.sampling import sample_token
+from rawmm.serving.weight_receiver import WeightReceiver, fit_problem
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,12 @@ class TransformersEngine(Engine):
         self.eos_token_ids = _eos_ids(self.model)
         # One thread: the model and its cached M-RoPE deltas belong to one request at a time.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rawmm-engine")
+        # Broadcast updates: the group, the open update (the gate held from start to finish), and why the
+        # weights cannot be trusted (a receive broke off midway) until a checkpoint is loaded.
+        self._receiver: WeightReceiver | None = None
+        self._update: AsyncExitStack | None = None
+        self._update_error: str | None = None
+        self._stale: str | None = None
 
     async def check_health(self) -> None:
         """In process: the engine can serve whenever the server answers."""
@@ -68,6 +77,8 @@ class TransformersEngine(Engine):
         self, token_ids: list[int], images: Sequence[ImageInput], sampling: Sampling
     ) -> Generation:
         async with self.gate.generating() as version:
+            if self._stale is not None:
+                raise EngineUnavailable(f"weights must be reloaded from a checkpoint: {self._stale}")
             stop = threading.Event()
             job = self._thread.submit(self._generate_sync, token_ids, list(images), sampling, stop)
             running = asyncio.wrap_future(job)
@@ -151,7 +162,67 @@ class TransformersEngine(Engine):
         async with self.gate.updating():
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._thread, self.model.load_state_dict, new_state)
+            self._stale = None
+        return self.gate.version
+
+    async def init_weight_transfer(self, info: TransferInit) -> None:
+        if self._update is not None:
+            raise InvalidRequest("a weight update is in progress", reason="weight_update_active")
+        # Blocks until every rank has joined: off the event loop, which keeps serving meanwhile.
+        receiver = await asyncio.to_thread(WeightReceiver, info)
+        if self._receiver is not None:  # a new sender (the trainer restarted) replaces the old group
+            self._receiver.shutdown()
+        self._receiver = receiver
+
+    async def start_weight_update(self) -> None:
+        if self._receiver is None:
+            raise InvalidRequest("init the weight transfer first", reason="weight_transfer_not_initialized")
+        if self._update is not None:
+            raise InvalidRequest("a weight update is already in progress", reason="weight_update_active")
+        stack = AsyncExitStack()
+        self._update = stack  # claimed before the wait, so a second start is refused at once
+        try:  # pause: running generations finish on the old weights, new ones wait for finish
+            await stack.enter_async_context(self.gate.updating())
+        except BaseException:
+            self._update = None
+            raise
+        self._update_error = None
+
+    async def update_weights(self, update: TransferUpdate) -> None:
+        if self._update is None or self._receiver is None:
+            raise InvalidRequest("start the weight update first", reason="weight_update_not_started")
+        params = dict(self.model.named_parameters())
+        problem = fit_problem(update, params)
+        loop = asyncio.get_running_loop()
+        try:
+            # A misfit still drains the stream (params None): the sender is broadcasting already.
+            await loop.run_in_executor(
+                self._thread, self._receiver.receive, update, None if problem else params
+            )
+        except Exception as exc:
+            self._update_error = f"the weight broadcast broke off: {exc!r}"
+            if problem is None:  # some tensors may be new, some old
+                self._stale = self._update_error
+            raise
+        if problem is not None:
+            self._update_error = problem
+            raise InvalidRequest(f"the sent weights do not fit the served model: {problem}",
+                                 reason="weights_do_not_fit")  # fmt: skip
+
+    async def finish_weight_update(self) -> int:
+        stack, self._update = self._update, None
+        if stack is None:
+            raise InvalidRequest("no weight update to finish", reason="weight_update_not_started")
+        if self._update_error is not None:
+            # Leave the gate without moving the version: the update did not happen.
+            await stack.__aexit__(RuntimeError, RuntimeError(self._update_error), None)
+            raise InvalidRequest(
+                f"the weight update failed: {self._update_error}", reason="weight_update_failed"
+            )
+        await stack.aclose()
         return self.gate.version
 
     async def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.shutdown()
         self._thread.shutdown(wait=True)
