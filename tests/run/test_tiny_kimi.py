@@ -37,6 +37,24 @@ def test_the_checkpoint_is_a_kimi_k25_that_transformers_and_rawmm_load(tiny_kimi
         assert load_processor(tiny_kimi, backend).config.in_patch_limit == TINY_MAX_TOKENS * 4
 
 
+def test_the_checkpoint_is_in_the_published_format_vllm_loads(tiny_kimi: Path) -> None:
+    """vLLM registers KimiK25ForConditionalGeneration (transformers' class is Kimi_K25...: vLLM would fall back
+    to its generic Transformers backend), files chat images under vision_chunk only with the published
+    flag, and loads the published weight names."""
+    from safetensors import safe_open
+
+    config = json.loads((tiny_kimi / "config.json").read_text())
+    assert config["architectures"] == ["KimiK25ForConditionalGeneration"]
+    assert config["use_unified_vision_chunk"] is True
+    assert config["text_config"]["topk_method"] == "noaux_tc"  # vLLM builds the gate's correction bias
+    with safe_open(str(tiny_kimi / "model.safetensors"), "pt") as weights:
+        names = set(weights.keys())
+    assert "language_model.model.layers.1.mlp.gate.e_score_correction_bias" in names
+    assert {"vision_tower.patch_embed.proj.weight", "mm_projector.pre_norm.weight"} <= names
+    assert not any(".blocks." in n for n in names if n.startswith("language_model."))
+    assert not any(n.startswith("model.") for n in names)
+
+
 def test_saved_weights_load_back_bit_for_bit(tiny_kimi: Path, tmp_path: Path) -> None:
     """The trainer saves checkpoints with save_pretrained (the hub's format), the engines load them back."""
     model = AutoModelForImageTextToText.from_pretrained(tiny_kimi, dtype=torch.float32)

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -300,12 +300,12 @@ def _build_tiny_kimi(out: Path, seed: int, *, max_pixels: int | None, gpu_shape:
     )
     # transformers 5 nests the image processor in processor_config.json; rawmm and vLLM read a Kimi
     # checkpoint's media_proc_cfg from preprocessor_config.json, where the published one has it.
-    return _write(out, model, generation, processor, processor.image_processor)
+    return _write(out, model, generation, processor, processor.image_processor, finish=tiny_kimi.publish)
 
 
-def _write(out: Path, model: Any, *parts: Any) -> Path:
-    """Save the model and ``parts`` next to ``out`` and rename them into place: ``out`` is either absent or
-    complete."""
+def _write(out: Path, model: Any, *parts: Any, finish: Callable[[Path], None] | None = None) -> Path:
+    """Save the model and ``parts`` next to ``out`` (then ``finish`` the directory) and rename them into
+    place: ``out`` is either absent or complete."""
     from transformers.utils import logging as hf_logging
 
     out = Path(out)
@@ -317,6 +317,8 @@ def _write(out: Path, model: Any, *parts: Any) -> Path:
         model.save_pretrained(staging)
         for part in parts:
             part.save_pretrained(staging)
+        if finish is not None:
+            finish(staging)
         if out.exists():
             shutil.rmtree(out)
         for path in (staging, *staging.iterdir()):
