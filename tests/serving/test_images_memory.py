@@ -68,6 +68,28 @@ async def quiescent(cache: MaterializeCache[EngineItem]) -> None:
         await asyncio.sleep(0 if not busy else 0.005)
 
 
+@dataclasses.dataclass(frozen=True)
+class Sized:
+    nbytes: int
+
+
+async def assert_no_room_reserved(cache: MaterializeCache[EngineItem]) -> None:
+    """No room is held for a miss: one that needs the whole budget, behind an older lease that pins
+    nothing, gets in at once."""
+    async with cache.lease(), cache.lease() as probe:
+        size = cache.max_bytes
+        work = lambda: Sized(size)  # noqa: E731
+        await asyncio.wait_for(probe.get("probe of the room", work, expected_bytes=lambda: size), WAIT)  # type: ignore[arg-type]
+
+
+async def assert_no_lease_left(cache: MaterializeCache[EngineItem]) -> None:
+    """No lease outlived its request: a new one is the oldest, which never waits for room."""
+    async with cache.lease() as lease:
+        size = cache.max_bytes + 1
+        work = lambda: Sized(size)  # noqa: E731
+        await asyncio.wait_for(lease.get("probe of the leases", work, expected_bytes=lambda: size), WAIT)  # type: ignore[arg-type]
+
+
 async def budgeted(
     loaded: LoadedProcessor, store: OffloadStore, image: FeatureImage, *, items: float
 ) -> tuple[RequestImages, int, int]:
@@ -161,7 +183,8 @@ async def test_a_failed_or_cancelled_request_releases_its_items(
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert cache.pinned_bytes == 0 and not cache._leases
+    assert cache.pinned_bytes == 0
+    await assert_no_lease_left(cache)
 
 
 async def test_an_absurd_grid_claim_is_a_client_error_not_an_overflow(
@@ -173,11 +196,22 @@ async def test_an_absurd_grid_claim_is_a_client_error_not_an_overflow(
     request_images, _, budget = await budgeted(loaded, offload_store, good, items=3)
     async with request_images.hold([good]):
         pass  # the bytes per patch are learned
-    absurd = dataclasses.replace(bad.ref, payload={"image_grid_thw": [[1, 10**200, 10**200]]})
-    assert request_images._expected_bytes(FeatureImage("image", absurd, 5, bad.length)) == budget
+    absurd = FeatureImage(
+        "image",
+        dataclasses.replace(bad.ref, payload={"image_grid_thw": [[1, 10**200, 10**200]]}),
+        5,
+        bad.length,
+    )
     with pytest.raises(InvalidImageRef) as caught:
-        async with request_images.hold([FeatureImage("image", absurd, 5, bad.length)]):
+        async with request_images.hold([absurd]):
             pass
+    assert caught.value.reason == "grid_mismatch"
+    # Not the oldest request, it is estimated: at the budget, so with nothing pinned it fits at once (an
+    # estimate past the budget would wait for room forever, an uncapped one overflow).
+    async with request_images.cache.lease():
+        with pytest.raises(InvalidImageRef) as caught:
+            async with asyncio.timeout(WAIT), request_images.hold([absurd]):
+                pass
     assert caught.value.reason == "grid_mismatch"
 
 
@@ -205,4 +239,5 @@ async def test_a_failing_image_fails_its_request_without_waiting_for_its_sibling
     assert caught.value.reason in {"missing_file", "outside_offload_root"}
     older_release.set()
     await holder
-    assert request_images.cache.pinned_bytes == 0 and request_images.cache._reserved == 0
+    assert request_images.cache.pinned_bytes == 0
+    await assert_no_room_reserved(request_images.cache)
