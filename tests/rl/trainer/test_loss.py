@@ -43,6 +43,23 @@ def test_masked_tokens_contribute_nothing_and_step_tokens_normalize():
     assert parts.kl_estimate == 0.0
 
 
+def test_the_kl_estimate_resolves_on_policy_numerics():
+    # d = 3e-7 per token (engine and trainer numerics): k3 = d^2 / 2 = 4.5e-14, which float32 exp(d) - 1 - d
+    # rounds to 0 or to noise of the order of 1e-8.
+    new = torch.tensor([-1.0 + 3e-7] * 4, dtype=torch.float32)
+    parts = policy_gradient_loss(
+        new,
+        torch.full((4,), -1.0),
+        torch.ones(4),
+        torch.ones(4, dtype=torch.bool),
+        clip_low=0.2,
+        clip_high=0.28,
+        step_tokens=4,
+    )
+    d = float(new[0].double() + 1.0)
+    assert parts.kl_estimate == pytest.approx(4 * d * d / 2, rel=1e-3)
+
+
 def test_on_policy_loss_is_the_negative_mean_advantage():
     parts, grad = loss_of([1.0, 1.0, 1.0], [1.0, 2.0, -0.5], [True] * 3)
     assert parts.loss.item() == pytest.approx(-(1.0 + 2.0 - 0.5) / 3)
