@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -22,6 +23,7 @@ from rawmm.contract import InvalidImageRef, RawImageDescriptor, get_family
 from rawmm.contract.families import Family, checkpoint_file
 from rawmm.materialize.items import EngineItem, FieldKind, ForwardPolicy, TrainerInputs
 from rawmm.materialize.kimi import KimiK25ImageProcessor
+from rawmm.materialize.kimi_checkpoint import publish
 from rawmm.materialize.qwen_uint8 import uint8_patches
 from rawmm.materialize.read import RgbPixels
 
@@ -43,6 +45,11 @@ class FamilyAdapter(ABC):
     def model_kwargs(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Item fields (one image's or collated) as the transformers model's kwargs."""
         return {self.model_kwarg_names.get(key, key): value for key, value in tensors.items()}
+
+    def publish_checkpoint(self, path: Path) -> None:
+        """Make a checkpoint transformers' ``save_pretrained`` wrote into the published format every engine
+        loads (in place). Qwen-VL's already is."""
+        return None
 
     @property
     def family(self) -> Family[Any]:
@@ -209,6 +216,9 @@ class KimiK25Adapter(FamilyAdapter):
     grid_key = "grid_thws"
     forward_policy = ForwardPolicy(pass_position_ids=True, requires_mm_token_type_ids=False)
     model_kwarg_names = MappingProxyType({"grid_thws": "image_grid_thw"})  # Kimi_K25ForConditionalGeneration
+
+    def publish_checkpoint(self, path: Path) -> None:
+        publish(path)  # transformers 5.19 saves three names and the architecture off the published format
 
     def load_image_processor(self, path: str, backend: str, trust_remote_code: bool) -> Any:
         # Our own implementation of the published preprocessing: no remote code runs.

@@ -279,6 +279,7 @@ def build_tiny_model(
 
 def _build_tiny_kimi(out: Path, seed: int, *, max_pixels: int | None, gpu_shape: bool) -> Path:
     """Kimi K2.5 (``tiny_kimi``): ``max_pixels`` bounds the patches per image (pixels / patch²)."""
+    from rawmm.materialize import get_adapter
     from rawmm.run import tiny_kimi
 
     _, image = resolve_preset("kimi_k25")
@@ -300,7 +301,8 @@ def _build_tiny_kimi(out: Path, seed: int, *, max_pixels: int | None, gpu_shape:
     )
     # transformers 5 nests the image processor in processor_config.json; rawmm and vLLM read a Kimi
     # checkpoint's media_proc_cfg from preprocessor_config.json, where the published one has it.
-    return _write(out, model, generation, processor, processor.image_processor, finish=tiny_kimi.publish)
+    finish = get_adapter("kimi_k25").publish_checkpoint  # the published format, which vLLM loads
+    return _write(out, model, generation, processor, processor.image_processor, finish=finish)
 
 
 def _write(out: Path, model: Any, *parts: Any, finish: Callable[[Path], None] | None = None) -> Path:

@@ -17,8 +17,6 @@ tokens and a Kimi-style chat template (one ``<|media_pad|>`` per image part).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from rawmm.contract.families import KimiK25Config
@@ -156,42 +154,6 @@ def model_config(tokenizer: Any, image: KimiK25Config, *, gpu_shape: bool) -> An
         vision_end_token_id=token("<|media_end|>"),
         tie_word_embeddings=False,
     )
-
-
-# transformers 5.19 saves a Kimi K2.5 in the hub's format but for three names, which vLLM's loader (and the
-# published checkpoints) spell otherwise: its reverse `blocks` rule also renames the text layers, and two
-# vision/projector names keep transformers' own prefix.
-_HUB_NAMES = (
-    ("language_model.model.blocks.", "language_model.model.layers."),
-    ("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."),
-    ("model.mm_projector.", "mm_projector."),
-)
-ARCHITECTURE = "KimiK25ForConditionalGeneration"  # the published config's name, which vLLM registers
-
-
-def hub_weight_name(name: str) -> str:
-    """A weight's name in the published checkpoint, from the one transformers 5.19 saved it under."""
-    for saved, published in _HUB_NAMES:
-        if name.startswith(saved):
-            return published + name[len(saved) :]
-    return name
-
-
-def publish(checkpoint: Path) -> None:
-    """Rewrite a saved Kimi checkpoint in place with the published weight names and config fields, which
-    transformers loads back bit for bit and vLLM's Kimi-K2.5 loads at all."""
-    from safetensors.torch import load_file, save_file
-
-    for file in sorted(checkpoint.glob("*.safetensors")):
-        weights = load_file(file)
-        save_file({hub_weight_name(k): v for k, v in weights.items()}, file, metadata={"format": "pt"})
-    config_file = checkpoint / "config.json"
-    config = json.loads(config_file.read_text())
-    config["architectures"] = [ARCHITECTURE]
-    # The published config's flag by which vLLM files a chat request's images under vision_chunk (the one
-    # modality its Kimi-K2.5 takes); without it vLLM's own chat path refuses every image.
-    config["use_unified_vision_chunk"] = True
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def build_parts(tokenizer: Any, max_tokens: int, *, gpu_shape: bool, seed: int) -> tuple[Any, Any, Any]:
