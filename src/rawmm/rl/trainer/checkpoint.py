@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from rawmm.contract import detect_family
 from rawmm.contract.files import write_atomically
 from rawmm.contract.shared_dir import (
     TRAIN_STATE,
@@ -30,6 +31,7 @@ from rawmm.contract.shared_dir import (
     staging_dir,
     train_state_dir,
 )
+from rawmm.materialize import get_adapter
 from rawmm.rl.trainer.train_state import save_train_state
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -94,6 +96,9 @@ def save_checkpoint(
     save_train_state(model, optimizer, step, staging / TRAIN_STATE)
     if is_main:
         model.save_pretrained(staging, state_dict=weights, safe_serialization=True)
+        # In the format the engines serve (Kimi K2.5: transformers saves it off the published one, which
+        # vLLM's reload would refuse as weights that do not fit).
+        get_adapter(detect_family(staging).name).publish_checkpoint(staging)
         if final.exists():  # a re-run of this step (e.g. after a restart): the new weights win
             shutil.rmtree(final)
         os.replace(staging, final)
