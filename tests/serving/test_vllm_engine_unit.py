@@ -259,12 +259,11 @@ async def one_image(engine: Any, tmp_path: Path) -> tuple[list[int], list[Any]]:
 async def test_a_drifted_receiver_cache_is_resent_once_with_the_data(
     tiny_qwen2_vl: Path, tmp_path: Path
 ) -> None:
-    from rawmm.serving import metrics
 
     client = CachingClient(tiny_qwen2_vl, cache_gb=0.01)
     engine = engine_for(client, tiny_qwen2_vl)
     token_ids, images = await one_image(engine, tmp_path)
-    resends = metrics.ENGINE_CORE_RESENDS._value.get()
+    resends = resends_counted()
 
     await engine.generate(token_ids, images, Sampling(max_tokens=2))
     await engine.generate(token_ids, images, Sampling(max_tokens=2))
@@ -273,8 +272,25 @@ async def test_a_drifted_receiver_cache_is_resent_once_with_the_data(
     generation = await engine.generate(token_ids, images, Sampling(max_tokens=2))
     assert generation.finish_reason == "stop"
     assert client.received[2:] == [[False], [True]]  # the hash missed; the retry carried the data
-    assert metrics.ENGINE_CORE_RESENDS._value.get() - resends == 1
+    assert resends_counted() - resends == 1
     client.renderer._mm_executor.shutdown()
+
+
+def resends_counted() -> float:
+    """``rawmm_engine_core_resends_total`` as the counter exports it."""
+    from rawmm.serving import metrics
+
+    (family,) = metrics.ENGINE_CORE_RESENDS.collect()
+    return next(sample.value for sample in family.samples if sample.name.endswith("_total"))
+
+
+async def hand_over_started() -> None:
+    """Until the engine has started handing a cancelled request over (its hand-over task exists)."""
+    async with asyncio.timeout(30):
+        while not any(
+            task.get_coro().__qualname__.endswith("._hand_over_abandoned") for task in asyncio.all_tasks()
+        ):
+            await asyncio.sleep(0.001)
 
 
 @dataclass
@@ -318,7 +334,6 @@ async def test_a_request_cancelled_while_its_items_pass_the_sender_cache_still_r
 ) -> None:
     """The sender cache (P0) takes the items of a request cancelled midway as sent: the engine core's receiver
     cache (P1) must take them too, or the next request's hashes miss there."""
-    from rawmm.serving import metrics
 
     staged = await cancelled_in_sender_cache(tiny_qwen2_vl, tmp_path)
     client = staged.client
@@ -326,11 +341,11 @@ async def test_a_request_cancelled_while_its_items_pass_the_sender_cache_still_r
     with pytest.raises(asyncio.CancelledError):
         await staged.request
     assert [name for name, _ in client.calls] == ["add_request", "abort"]  # sent, then aborted
-    resends = metrics.ENGINE_CORE_RESENDS._value.get()
+    resends = resends_counted()
     generation = await staged.engine.generate(staged.token_ids, staged.images, Sampling(max_tokens=2))
     assert generation.finish_reason == "stop"
     assert client.received == [[True], [False]]  # the next request's hash alone found the item in P1
-    assert metrics.ENGINE_CORE_RESENDS._value.get() == resends
+    assert resends_counted() == resends
     client.renderer._mm_executor.shutdown()
 
 
@@ -338,8 +353,7 @@ async def test_a_second_cancel_does_not_skip_the_hand_over(tiny_qwen2_vl: Path, 
     """A request cancelled again while its hand-over waits for the sender cache (a shutdown cancelling
     the handler) still reaches the engine core, and is aborted there."""
     staged = await cancelled_in_sender_cache(tiny_qwen2_vl, tmp_path)
-    for _ in range(5):
-        await asyncio.sleep(0)  # the hand-over now waits for the sender cache
+    await hand_over_started()  # the first cancel was taken: the hand-over now waits for the sender cache
     staged.request.cancel()
     with pytest.raises(asyncio.CancelledError):
         await staged.request
