@@ -19,7 +19,7 @@ _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 62em; color: #222; }
 h1 { font-size: 1.4em; } h2 { font-size: 1.1em; margin-top: 1.6em; }
 table { border-collapse: collapse; font-size: 0.85em; }
-td, th { border-bottom: 1px solid #ddd; padding: 0.2em 0.6em; text-align: right; }
+td, th { border-bottom: 1px solid #ddd; padding: 0.2em 0.6em; text-align: right; white-space: nowrap; }
 th { background: #f4f4f4; } td.key { text-align: left; color: #555; }
 .figures { display: grid; grid-template-columns: repeat(auto-fill, minmax(30em, 1fr)); gap: 1em; }
 figure { margin: 0; } figure img { width: 100%; } figcaption { font-size: 0.85em; color: #555; }
@@ -123,7 +123,7 @@ _COLUMNS: tuple[tuple[str, str], ...] = (
     ("grad norm", "grad_norm"),
     ("|Δ logprob|", "logprob_diff_mean"),
     ("KL est.", "logprob_kl_mean"),
-    ("cache hits", "cache_hit_rate"),
+    ("cache hit rate", "cache_hit_rate"),
     ("rollout s", "rollout_seconds"),
     ("sync s", "sync_seconds"),
     ("materialize s", "materialize_seconds"),

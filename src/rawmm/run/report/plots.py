@@ -94,7 +94,7 @@ def loss_and_grad_norm(record: RunRecord, path: Path) -> Path:
     right = ax.twinx()
     steps, values = _series(record.steps, lambda r: r.grad_norm)
     right.plot(steps, values, marker="s", markersize=3, color="tab:orange", label="grad norm (before clip)")
-    right.set_ylabel("grad norm", color="tab:orange")
+    right.set_ylabel("grad norm (before clipping)", color="tab:orange")
     right.set_ylim(bottom=0)
     ax.set_title("Policy-gradient loss and gradient norm")
     _integer_steps(ax)
