@@ -42,12 +42,14 @@ STAND_IN = textwrap.dedent(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     elif term.startswith("wait:"):
         def on_term(signum, frame):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stop() may repeat it: once is enough
             with open(term[5:]) as fifo:  # blocks until another process opens it to write
                 fifo.read()
             sys.exit(3)
         signal.signal(signal.SIGTERM, on_term)
     elif term.startswith("tell:"):
         def on_term(signum, frame):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             with open(term[5:], "w") as fifo:
                 fifo.write("terminated")
             sys.exit(4)
