@@ -72,11 +72,5 @@ def test_a_missing_local_path_is_no_such_directory(
     assert model_path_problem(path) == "no such directory"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="bug: Path.expanduser raises RuntimeError for an unknown user's home, so `rawmm serve --model "
-    "~nosuchuser/ckpt` ends in a traceback instead of one line",
-)
 def test_the_home_of_an_unknown_user_is_no_such_directory() -> None:
     assert model_path_problem("~rawmm-no-such-user/ckpt") == "no such directory"

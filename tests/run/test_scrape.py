@@ -90,12 +90,6 @@ def test_an_endpoint_that_does_not_answer_now_scrapes_as_none(
         assert scrape(http, "http://engine:8000/metrics") is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="bug: a 200 whose body is not the Prometheus text format raises ValueError out of scrape() "
-    "(and out of `rawmm run`'s supervision loop) instead of returning None",
-)
 def test_an_endpoint_that_answers_something_else_than_metrics_scrapes_as_none() -> None:
     with client(lambda request: httpx.Response(200, text="<html>a proxy's page</html>")) as http:
         assert scrape(http, "http://engine:8000/metrics") is None

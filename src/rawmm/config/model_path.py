@@ -15,7 +15,10 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 def model_path_problem(path: str) -> str | None:
     """Why ``path`` names no model (one phrase), or None for a checkpoint directory or a hub id."""
-    local = Path(path).expanduser()
+    try:
+        local = Path(path).expanduser()
+    except RuntimeError:  # ~user of a user this machine does not have
+        return "no such directory"
     if local.is_dir():
         return None
     if local.exists():

@@ -40,7 +40,10 @@ def scrape(client: httpx.Client, url: str) -> Scrape | None:
         response.raise_for_status()
     except httpx.HTTPError:
         return None
-    return parse_metrics(response.text)
+    try:
+        return parse_metrics(response.text)
+    except ValueError:  # something else answers on the port (a proxy's page): no metrics from it now
+        return None
 
 
 def health_version(client: httpx.Client, base_url: str) -> int | None:
