@@ -120,7 +120,7 @@ def test_rawmm_argv_runs_a_subcommand_with_this_interpreter() -> None:
 
 
 def test_rawmm_argv_reports_a_user_error_in_one_line_not_a_traceback(tmp_path: Path) -> None:
-    """Run as a module (`-m rawmm.cli`), the CLI's CliError would be another class than the commands raise."""
+    """The one-line error holds when the CLI runs as `-m rawmm.cli`: CliError lives in rawmm.commands."""
     done = subprocess.run(
         rawmm_argv("orchestrate", str(tmp_path / "absent.yaml")), capture_output=True, text=True
     )

@@ -16,14 +16,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Not `-m rawmm.cli`: run as __main__, that module's CliError would be a different class from the one
-# the command modules raise, and user errors would end in tracebacks instead of one line.
-_RAWMM_MAIN = "import sys; from rawmm.cli import main; sys.exit(main())"
-
 
 def rawmm_argv(*args: str) -> list[str]:
     """The command line of a `rawmm` subcommand run by this interpreter."""
-    return [sys.executable, "-c", _RAWMM_MAIN, *args]
+    return [sys.executable, "-m", "rawmm.cli", *args]
 
 
 @dataclass
