@@ -35,7 +35,7 @@ $(PROMETHEUS):
 # downloaded one. The version stamp is what the API server reports (Helm checks the chart's kubeVersion).
 K8S := .tools/k8s
 K8S_CONTROL_PLANE := $(K8S)/kube-apiserver $(K8S)/kube-controller-manager $(K8S)/kube-scheduler
-K8S_TOOLS := $(K8S_CONTROL_PLANE) $(K8S)/etcd $(K8S)/kwok $(K8S)/prometheus-operator-crds
+K8S_TOOLS = $(K8S_CONTROL_PLANE) $(K8S)/etcd $(K8S)/kwok $(K8S)/prometheus-operator-crds $(NODE_TOOLS)
 K8S_VERSION := v1.37.2
 K8S_STAMP := k8s.io/component-base/version
 K8S_LDFLAGS := -s -w -X $(K8S_STAMP).gitVersion=$(K8S_VERSION) -X $(K8S_STAMP).gitMajor=1 \
@@ -66,11 +66,47 @@ $(K8S)/prometheus-operator-crds: tools/k8s/prometheus-operator/go.mod tools/k8s/
 	  $(CURDIR)/$@/
 	chmod u+w $@/*.yaml
 
+# --- The real node beside it (tests/kube/node.py): real containers, pod network, cluster DNS -----------------
+# kubelet and kube-proxy of the same release (tools/k8s/node: k8s.io/kubernetes v1.37.2 with their packages),
+# CoreDNS 1.15.0 with the plugins the node uses (tools/k8s/coredns), the sandbox's pause program
+# (tools/k8s/pause). containerd, runc, the CNI plugins, iptables (nf_tables) and busybox (the test pods'
+# image) are Debian bookworm's packages, downloaded and unpacked into .tools/node/root (no system install);
+# .tools/node/versions lists what was unpacked.
+NODE := .tools/node
+NODE_PACKAGES := containerd runc containernetworking-plugins iptables libip4tc2 libip6tc2 libxtables12 \
+  libnftnl11 libmnl0 libnetfilter-conntrack3 libnfnetlink0 libseccomp2 busybox-static
+NODE_DEBS := $(NODE)/root/usr/bin/containerd
+K8S_NODE := $(K8S)/kubelet $(K8S)/kube-proxy
+NODE_TOOLS := $(K8S_NODE) $(K8S)/coredns $(K8S)/pause $(NODE_DEBS)
+
+$(NODE_DEBS):
+	rm -rf $(NODE) && mkdir -p $(NODE)/debs $(NODE)/bin
+	cd $(NODE)/debs && { apt-get download $(NODE_PACKAGES) || { apt-get update -q && apt-get download $(NODE_PACKAGES); }; }
+	for deb in $(NODE)/debs/*.deb; do dpkg-deb -x "$$deb" $(NODE)/root && dpkg-deb -f "$$deb" Package Version | paste -sd' ' >> $(NODE)/versions; done
+	rm -rf $(NODE)/debs
+	for name in iptables iptables-save iptables-restore ip6tables ip6tables-save ip6tables-restore; do \
+	  ln -s ../root/usr/sbin/xtables-nft-multi $(NODE)/bin/$$name; done
+	$@ --version
+
+$(K8S_NODE) &: tools/k8s/node/go.mod tools/k8s/node/go.sum
+	mkdir -p $(K8S)
+	cd tools/k8s/node && $(GO_BUILD) -ldflags='$(K8S_LDFLAGS)' -o $(CURDIR)/$(K8S)/ \
+	  k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy
+	touch $(K8S_NODE)
+
+$(K8S)/coredns: tools/k8s/coredns/go.mod tools/k8s/coredns/go.sum tools/k8s/coredns/main.go
+	mkdir -p $(K8S)
+	cd tools/k8s/coredns && $(GO_BUILD) -ldflags='-s -w' -o $(CURDIR)/$@ .
+
+$(K8S)/pause: tools/k8s/pause/go.mod tools/k8s/pause/main.go
+	mkdir -p $(K8S)
+	cd tools/k8s/pause && CGO_ENABLED=0 $(GO_BUILD) -ldflags='-s -w' -o $(CURDIR)/$@ .
+
 tools: $(K8S_TOOLS)
 
 # For people: a cluster like the tests' one; prints `export KUBECONFIG=...`, runs until Ctrl-C.
 cluster: $(INSTALLED) $(K8S_TOOLS)
-	cd tests && ../$(PY) -m kube.cluster
+	cd tests && exec ../$(PY) -m kube.cluster
 # --- end of the control plane --------------------------------------------------------------------------
 
 install: $(INSTALLED) $(PROMETHEUS) $(K8S_TOOLS)

@@ -26,6 +26,7 @@ Ctrl-C. Every process has its own process group and is killed when the cluster s
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import ipaddress
 import json
@@ -54,6 +55,9 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes import watch as k8s_watch
 from ports import free_port
+
+from kube import node
+from kube.node import NodeNetwork
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = REPO / ".tools" / "k8s"
@@ -144,8 +148,9 @@ def _name(common: str, org: str | None = None) -> x509.Name:
     return x509.Name(parts)
 
 
-def write_pki(pki: Path) -> None:
-    """ca.crt, apiserver.{crt,key}, admin.{crt,key} (system:masters) and the service-account signing key."""
+def write_pki(pki: Path, server_ips: tuple[str, ...] = ()) -> None:
+    """ca.{crt,key}, apiserver.{crt,key} (for 127.0.0.1 and `server_ips`), admin.{crt,key} (system:masters)
+    and the service-account signing key."""
     pki.mkdir(parents=True)
     ca_key, ca_name = _key(), _name("rawmm-test-ca")
     ca = _certificate(ca_name, ca_key, None, ca=True)
@@ -155,6 +160,7 @@ def write_pki(pki: Path) -> None:
         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
         x509.DNSName("localhost"),
         x509.DNSName("kubernetes.default.svc"),
+        *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in server_ips),
     ]
     certs = {
         "ca": (ca, ca_key),
@@ -170,6 +176,17 @@ def write_pki(pki: Path) -> None:
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         )
     )
+
+
+def issue_client_cert(pki: Path, stem: str, common: str, org: str | None = None) -> None:
+    """`stem`.{crt,key}: a client certificate for `common` (in group `org`) signed by the cluster's CA."""
+    ca = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
+    ca_key = serialization.load_pem_private_key((pki / "ca.key").read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = _key()
+    cert = _certificate(_name(common, org), key, (ca.subject, ca_key))
+    (pki / f"{stem}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write_key(pki / f"{stem}.key", key)
 
 
 def kubeconfig_yaml(server: str, ca_file: Path, user: dict[str, str]) -> str:
@@ -253,7 +270,113 @@ class KubeCluster:
     server: str
     kubeconfig: Path
     processes: list[Process] = field(default_factory=list)
+    network: NodeNetwork | None = None  # the real node's namespaces, when the cluster can have one
+    node_processes: list[Process] = field(default_factory=list)
     _names: Iterator[int] = field(default_factory=lambda: iter(range(1, 1 << 30)))
+
+    def start_node(self, timeout: float = 180) -> None:
+        """Start the real node (tests/kube/node.py) in the cluster's node namespaces, once: containerd with
+        the images made here imported, the kubelet, kube-proxy and CoreDNS; return when the node is Ready
+        and cluster DNS answers."""
+        if self.node_processes:
+            return
+        if self.network is None:
+            raise RuntimeError("this cluster has no node network (it needs root and `make tools`)")
+        from kube import images
+
+        network, pki, logs = self.network, self.root / "pki", self.root / "logs"
+        root = self.root / "node"
+        for directory in ("cni", "images", "pod-logs", "ipam"):
+            (root / directory).mkdir(parents=True, exist_ok=True)
+        (root / "resolv.conf").write_text("nameserver 127.0.0.1\n")  # the pods' upstream: none
+        (root / "containerd.toml").write_text(node.containerd_config(root, images.PAUSE_IMAGE))
+        (root / "cni" / "10-rawmm.conflist").write_text(node.cni_config(root))
+        configs: dict[str, Path] = {}
+        for component, common, org in (
+            ("kubelet", f"system:node:{node.NODE_NAME}", "system:nodes"),
+            ("kube-proxy", "system:kube-proxy", None),
+        ):
+            issue_client_cert(pki, component, common, org)
+            configs[component] = root / f"kubeconfig-{component}"
+            configs[component].write_text(
+                kubeconfig_yaml(
+                    self.server,
+                    pki / "ca.crt",
+                    {
+                        "client-certificate": str(pki / f"{component}.crt"),
+                        "client-key": str(pki / f"{component}.key"),
+                    },
+                )
+            )
+        kubelet_port, ready_port = 10250, 8181  # the node's own network namespace: no clashes
+        kubelet_yaml = root / "kubelet.yaml"
+        kubelet_yaml.write_text(
+            yaml.safe_dump(node.kubelet_config(root, network, pki / "ca.crt", kubelet_port))
+        )
+        proxy_yaml = root / "kube-proxy.yaml"
+        proxy_yaml.write_text(yaml.safe_dump(node.kube_proxy_config(configs["kube-proxy"], network)))
+        (root / "Corefile").write_text(node.corefile(self.kubeconfig, ready_port, network.node_ip))
+        env = {**os.environ, **node.node_env()}
+
+        def start(name: str, *argv: str) -> Process:
+            process = Process.start(name, network.enter(*argv), logs / f"{name}.log", env=env)
+            self.node_processes.append(process)
+            return process
+
+        def alive() -> None:
+            for process in [*self.processes, *self.node_processes]:
+                process.check_alive()
+
+        start("containerd", str(node.DEBS / "usr/bin/containerd"), f"--config={root / 'containerd.toml'}")
+        ctr = [str(node.DEBS / "usr/bin/ctr"), f"--address={node.CONTAINERD_SOCKET}"]
+
+        def containerd_up() -> bool:
+            alive()
+            return network.run(*ctr, "version", check=False).returncode == 0
+
+        wait_for(
+            containerd_up,
+            "containerd",
+            timeout=timeout,
+            interval=0.2,
+        )
+        # and the rawmm images `make images` built (.tools/images/rawmm-*.tar), under their published names
+        node.import_images(
+            network,
+            [images.pause_archive(root / "images"), images.busybox_archive(root / "images"), *images.built()],
+        )
+        network.make_cgroups()
+        start(
+            "kubelet",
+            str(node.K8S / "kubelet"),
+            f"--config={kubelet_yaml}",
+            f"--kubeconfig={configs['kubelet']}",
+            f"--root-dir={node.KUBELET_ROOT}",
+            f"--hostname-override={node.NODE_NAME}",
+            f"--node-ip={network.node_ip}",
+            f"--node-labels={node.REAL_NODE_LABEL}=true",
+        )
+        start("kube-proxy", str(node.K8S / "kube-proxy"), f"--config={proxy_yaml}")
+        start("coredns", str(node.K8S / "coredns"), f"-conf={root / 'Corefile'}")
+        core = k8s.CoreV1Api(self.api_client())
+        try:
+
+            def ready() -> bool:
+                alive()
+                with contextlib.suppress(k8s.ApiException):
+                    conditions = core.read_node(node.NODE_NAME).status.conditions or []
+                    return any(c.type == "Ready" and c.status == "True" for c in conditions)
+                return False
+
+            wait_for(ready, f"node {node.NODE_NAME} Ready", timeout=timeout, interval=0.5)
+        finally:
+            core.api_client.close()
+        # As for the fake nodes: no node-lifecycle controller runs (it would evict the fake nodes' pods, which
+        # send no heartbeats), so nothing else lifts the taint the API server gave the new node.
+        self.kubectl("taint", "nodes", node.NODE_NAME, "node.kubernetes.io/not-ready:NoSchedule-")
+        node.wait_http(
+            f"http://{network.node_ip}:{ready_port}/ready", "CoreDNS ready", alive, timeout=timeout
+        )
 
     @property
     def ca_file(self) -> Path:
@@ -476,20 +599,46 @@ class Provisioner:
                 raise
 
 
+def can_have_node() -> bool:
+    """A real node needs root (namespaces, veths, mounts) and its tools (`make tools`)."""
+    return os.geteuid() == 0 and not node.missing_node_tools()
+
+
 @contextlib.contextmanager
-def start_cluster(root: Path) -> Iterator[KubeCluster]:
+def start_cluster(root: Path, *, node_network: bool | None = None) -> Iterator[KubeCluster]:
     """Start the control plane in `root` (which must be empty or absent); stop it and kill every process on
-    exit. Raises RuntimeError with the failing component's log tail if one dies during start."""
+    exit. Raises RuntimeError with the failing component's log tail if one dies during start.
+
+    With `node_network` (default: when `can_have_node`) the real node's namespaces are made first and the
+    API server binds the host's end of their link instead of 127.0.0.1; `KubeCluster.start_node` then
+    starts the node in them (on first use: the kwok-only tests do not pay for it)."""
     missing = [name for name in BINARIES if not (TOOLS / name).is_file()]
     missing += [] if MONITORING_CRDS.is_dir() else [MONITORING_CRDS.name]
     if missing:
         raise RuntimeError(f"missing {', '.join(missing)} in {TOOLS}: run `make tools`")
     root.mkdir(parents=True, exist_ok=True)
-    pki, logs = root / "pki", root / "logs"
+    logs = root / "logs"
     logs.mkdir()
-    write_pki(pki)
+    network: NodeNetwork | None = None
+    if node_network if node_network is not None else can_have_node():
+        (root / "node").mkdir()
+        network = NodeNetwork.create(logs / "node-namespaces.log")
+    try:
+        with _start_cluster(root, network) as cluster:
+            yield cluster
+    finally:
+        if network is not None:
+            network.stop()
+
+
+@contextlib.contextmanager
+def _start_cluster(root: Path, network: NodeNetwork | None) -> Iterator[KubeCluster]:
+    pki, logs = root / "pki", root / "logs"
+    host = network.host_ip if network else "127.0.0.1"
+    # 10.96.0.1: the `kubernetes` Service, which pods on the real node connect to
+    write_pki(pki, (host, "10.96.0.1") if network else ())
     etcd_client, etcd_peer, api_port, kwok_port = free_port(), free_port(), free_port(), free_port()
-    server = f"https://127.0.0.1:{api_port}"
+    server = f"https://{host}:{api_port}"
     kubeconfig = root / "kubeconfig"
     kubeconfig.write_text(
         kubeconfig_yaml(
@@ -498,7 +647,18 @@ def start_cluster(root: Path) -> Iterator[KubeCluster]:
             {"client-certificate": str(pki / "admin.crt"), "client-key": str(pki / "admin.key")},
         )
     )
-    cluster = KubeCluster(root=root, server=server, kubeconfig=kubeconfig)
+    cluster = KubeCluster(root=root, server=server, kubeconfig=kubeconfig, network=network)
+    node_flags = (
+        [
+            # the `kubernetes` Service's endpoint: the API server on the node's link
+            "--authorization-mode=Node,RBAC",
+            f"--kubelet-client-certificate={pki / 'admin.crt'}",
+            f"--kubelet-client-key={pki / 'admin.key'}",
+            "--kubelet-preferred-address-types=InternalIP",  # the node's name resolves nowhere
+        ]
+        if network
+        else ["--authorization-mode=RBAC", "--endpoint-reconciler-type=none"]
+    )
 
     def start(name: str, *argv: str) -> None:
         cluster.processes.append(Process.start(name, [str(TOOLS / name), *argv], logs / f"{name}.log"))
@@ -520,19 +680,18 @@ def start_cluster(root: Path) -> Iterator[KubeCluster]:
         start(
             "kube-apiserver",
             f"--etcd-servers=http://127.0.0.1:{etcd_client}",
-            "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
+            f"--bind-address={host}",
+            f"--advertise-address={host}",
             f"--secure-port={api_port}",
             f"--cert-dir={pki}",
             f"--tls-cert-file={pki / 'apiserver.crt'}",
             f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={pki / 'ca.crt'}",
-            "--authorization-mode=RBAC",
+            *node_flags,
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
             "--service-account-issuer=https://kubernetes.default.svc",
             "--service-cluster-ip-range=10.96.0.0/16",
-            "--endpoint-reconciler-type=none",
             "--allow-privileged=true",
             "--profiling=false",
             # As hardened clusters do: setting blockOwnerDeletion needs `update` on the owner's finalizers.
@@ -557,7 +716,8 @@ def start_cluster(root: Path) -> Iterator[KubeCluster]:
         start(
             "kube-controller-manager",
             f"--kubeconfig={kubeconfig}",
-            f"--controllers={','.join(CONTROLLERS)}",
+            # with the real node, Services get EndpointSlices (CoreDNS answers from them, kube-proxy routes by them)
+            f"--controllers={','.join([*CONTROLLERS, *(['endpointslice-controller'] if network else [])])}",
             f"--root-ca-file={pki / 'ca.crt'}",
             "--secure-port=0",
             "--leader-elect=false",
@@ -583,7 +743,7 @@ def start_cluster(root: Path) -> Iterator[KubeCluster]:
         def nodes_ready() -> bool:
             for process in cluster.processes:
                 process.check_alive()
-            nodes = core.list_node().items
+            nodes = core.list_node(label_selector="type=kwok").items
             return len(nodes) == len(NODES) and all(
                 any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
                 for node in nodes
@@ -601,7 +761,9 @@ def start_cluster(root: Path) -> Iterator[KubeCluster]:
     finally:
         if provisioner is not None:
             provisioner.stopping.set()
-        for process in reversed(cluster.processes):
+        if network is not None:
+            network.stop()  # every node process, container, mount, interface and rule
+        for process in reversed([*cluster.node_processes, *cluster.processes]):
             process.stop()
         if provisioner is not None:
             provisioner.thread.join(10)
@@ -609,18 +771,40 @@ def start_cluster(root: Path) -> Iterator[KubeCluster]:
             api.close()
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # Once: a second SIGTERM (make's and the parent-death one) must not cut the cleanup short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt  # unwinds start_cluster: every process, the node and the temp dir go
+
+
 def main() -> None:
-    """`make cluster`: start one in a temp dir, print its KUBECONFIG, run until Ctrl-C."""
+    """`make cluster`: start one in a temp dir, with the real node when it can have one, print its
+    KUBECONFIG, run until Ctrl-C or SIGTERM (both stop everything and remove the temp dir)."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # make does not pass its SIGTERM on to the recipe: this process gets one when its parent dies.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # the parent died before that
+        return
     root = Path(tempfile.mkdtemp(prefix="rawmm-cluster-"))
     try:
         with start_cluster(root / "cluster") as cluster:
+            if cluster.network is not None:
+                cluster.start_node()
+            if cluster.network is not None:
+                network = cluster.network
+                print(f"# node {node.NODE_NAME}: link {network.host_if}, cgroup {network.cgroup}", flush=True)
             print(f"export KUBECONFIG={cluster.kubeconfig}", flush=True)
             print(
                 f"# API server {cluster.server}; logs in {root / 'cluster' / 'logs'}; Ctrl-C stops it",
                 flush=True,
             )
-            with contextlib.suppress(KeyboardInterrupt):
-                threading.Event().wait()
+            threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

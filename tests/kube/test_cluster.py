@@ -58,7 +58,7 @@ def running_pod(cluster: KubeCluster, namespace: str, job_name: str) -> dict[str
 
 
 def test_fake_nodes_advertise_cpu_memory_and_gpus(kube_cluster: KubeCluster) -> None:
-    nodes = {n["metadata"]["name"]: n for n in get(kube_cluster, "nodes")["items"]}
+    nodes = {n["metadata"]["name"]: n for n in get(kube_cluster, "nodes", "-l", "type=kwok")["items"]}
     assert set(nodes) == set(NODES)
     for name, node in nodes.items():
         assert node["status"]["allocatable"] == NODES[name]
