@@ -24,7 +24,7 @@ from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import serve_process
 
-from rawmm.contract import OffloadStore, RenderedPrompt, get_family, render_chat
+from rawmm.contract import Family, OffloadStore, RenderedPrompt, detect_family, render_chat
 
 WEIGHTS_TOKEN = "vllm-test-token"
 
@@ -57,6 +57,7 @@ class VllmServer:
     model: Path
     store: OffloadStore
     tokenizer: Any
+    family: Family[Any]  # the served checkpoint's (Qwen-VL or Kimi K2.5)
     config: Any
     process: subprocess.Popen[bytes]
     log: Path
@@ -111,7 +112,8 @@ def vllm_server(
             model=model,
             store=store,
             tokenizer=AutoTokenizer.from_pretrained(model),
-            config=get_family("qwen_vl").config_from_pretrained(model),
+            family=detect_family(model),
+            config=detect_family(model).config_from_pretrained(model),
             process=process,
             log=log,
         )
@@ -153,7 +155,7 @@ class Conversation:
         return render_chat(
             self.messages,
             tokenizer=server.tokenizer,
-            family=get_family("qwen_vl"),
+            family=server.family,
             config=server.config,
             store=server.store,  # no backend: the family's default, as the server's
         )
