@@ -5,6 +5,9 @@ weights token; a replica whose model does not fit refuses the update without han
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from ports import free_port
 from serve_harness import WEIGHTS_TOKEN, Server, running_server
 
 from rawmm.contract.weight_transfer import INIT_PATH, START_PATH
@@ -127,3 +131,27 @@ def test_a_model_that_does_not_fit_is_refused_and_the_old_weights_stay(
         client.close()
     after = generate(a)
     assert after == before  # same version, same weights
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_broadcast_what_their_checkpoint_holds(
+    replicas: list[Server], tiny_qwen2_vl: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RAWMM_WEIGHTS_TOKEN", WEIGHTS_TOKEN)
+    a, b = replicas
+    before = generate(a)
+    checkpoint = b.weights_root / "fsdp"
+    script = Path(__file__).with_name("broadcast_ranks.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+               str(script), str(tiny_qwen2_vl), str(checkpoint), a.url]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, start_new_session=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["bytes_sent"] == sum(p.numel() * 4 for p in trained(tiny_qwen2_vl, 0).parameters())
+    broadcast = generate(a)
+    assert broadcast["weights_version"] == report["versions"][a.url]
+    assert (broadcast["token_ids"], broadcast["logprobs"]) != (before["token_ids"], before["logprobs"])
+    assert b.load_weights(checkpoint).status_code == 200
+    reloaded = generate(b)
+    assert (reloaded["token_ids"], reloaded["logprobs"]) == (broadcast["token_ids"], broadcast["logprobs"])

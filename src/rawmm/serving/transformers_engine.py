@@ -30,7 +30,7 @@ from rawmm.materialize import LoadedProcessor, collate, get_adapter
 from rawmm.materialize.normalize import PixelNormalizer
 from rawmm.serving.engine import Engine, EngineUnavailable, Generation, ImageInput, InvalidRequest
 from rawmm.serving.sampling import sample_token
-from rawmm.serving.weight_receiver import WeightReceiver, fit_problem
+from rawmm.serving.weight_receiver import WeightReceiver, copy_into, fit_problem
 
 log = logging.getLogger(__name__)
 
@@ -195,9 +195,9 @@ class TransformersEngine(Engine):
         problem = fit_problem(update, params)
         loop = asyncio.get_running_loop()
         try:
-            # A misfit still drains the stream (params None): the sender is broadcasting already.
+            # A misfit still drains the stream (no load): the sender is broadcasting already.
             await loop.run_in_executor(
-                self._thread, self._receiver.receive, update, None if problem else params
+                self._thread, self._receiver.receive, update, None if problem else copy_into(params)
             )
         except Exception as exc:
             self._update_error = f"the weight broadcast broke off: {exc!r}"

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import datetime
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
 from rawmm.contract.weight_transfer import TransferInit, TransferUpdate, plan_buckets
+
+# Takes one bucket's ``(name, tensor)`` pairs: vLLM's ``model.load_weights`` has this shape.
+Load = Callable[[list[tuple[str, torch.Tensor]]], None]
 
 
 def local_address_towards(host: str, port: int) -> str:
@@ -47,29 +50,41 @@ class WeightReceiver:
         self.info = info
         self.group = join_group(info)
 
-    def receive(self, update: TransferUpdate, params: Mapping[str, torch.Tensor] | None) -> int:
-        """Receive every bucket of ``update`` and copy each tensor into ``params[name]``; with ``params``
-        None, drain the stream without loading anything (the update was refused, the sender must not hang).
-        Returns the bytes received."""
+    def receive(self, update: TransferUpdate, load: Load | None) -> int:
+        """Receive every bucket of ``update`` and hand its tensors to ``load`` (views of the bucket, valid
+        during the call); with ``load`` None, drain the stream without loading anything (the update was
+        refused, and the sender must not hang). Returns the bytes received."""
         sizes = update.sizes()
         received = 0
         for bucket in plan_buckets(sizes, self.info.bucket_bytes):
             buffer = torch.empty(sum(sizes[i] for i in bucket), dtype=torch.uint8)
             self.group.broadcast(buffer, 0).wait()  # type: ignore[attr-defined]  # stubs: no collectives
             received += buffer.numel()
-            if params is None:
+            if load is None:
                 continue
-            offset = 0
-            with torch.no_grad():
-                for i in bucket:
-                    dtype = getattr(torch, update.dtype_names[i])
-                    view = buffer[offset : offset + sizes[i]].view(dtype).view(update.shapes[i])
-                    params[update.names[i]].copy_(view)
-                    offset += sizes[i]
+            tensors, offset = [], 0
+            for i in bucket:
+                dtype = getattr(torch, update.dtype_names[i])
+                tensors.append(
+                    (update.names[i], buffer[offset : offset + sizes[i]].view(dtype).view(update.shapes[i]))
+                )
+                offset += sizes[i]
+            load(tensors)
         return received
 
     def shutdown(self) -> None:
         self.group.shutdown()
+
+
+def copy_into(params: Mapping[str, torch.Tensor]) -> Load:
+    """A ``Load`` that copies each tensor into the parameter of its name (the transformers engine)."""
+
+    def load(tensors: list[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, tensor in tensors:
+                params[name].copy_(tensor)
+
+    return load
 
 
 def fit_problem(update: TransferUpdate, params: Mapping[str, torch.Tensor]) -> str | None:
