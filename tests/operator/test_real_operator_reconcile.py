@@ -479,9 +479,11 @@ def test_jobs_the_operator_suspends_after_a_failure_are_not_reported_as_queued(r
     run.until(
         lambda: run.get("job", "exp-orchestrator")["spec"]["suspend"] is True, "the orchestrator suspended"
     )
-    passes = run.operator.reconciles()
-    run.until(lambda: run.operator.reconciles() >= passes + 2, "two more passes")
-    orchestrating = run.condition("OrchestratorRunning")
+    # The pass that suspends it read the Job before: a later one reports it.
+    orchestrating = run.until(
+        lambda: (c := run.condition("OrchestratorRunning")) and c.get("reason") == "Suspended" and c,
+        "OrchestratorRunning reason Suspended",
+    )
     assert orchestrating["message"] == "suspended by the operator: the run failed", orchestrating
     assert run.status()["reason"] == "TrainerFailed"
 
