@@ -129,22 +129,25 @@ images: $(IMAGE_ARCHIVES)
 tools: $(K8S_TOOLS)
 
 # For people: a cluster like the tests' one; prints `export KUBECONFIG=...`, runs until Ctrl-C.
-cluster: $(INSTALLED) $(K8S_TOOLS)
+cluster: $(INSTALLED) $(K8S_TOOLS) $(IMAGE_ARCHIVES)
 	cd tests && exec ../$(PY) -m kube.cluster
 # --- end of the control plane --------------------------------------------------------------------------
 
 install: $(INSTALLED) $(PROMETHEUS) $(K8S_TOOLS)
 
-test: $(INSTALLED) $(PROMETHEUS) $(K8S_TOOLS)
+test: $(INSTALLED) $(PROMETHEUS) $(K8S_TOOLS) $(IMAGE_ARCHIVES)
 	$(PY) -m pytest -q
 
 test-fast: $(INSTALLED) $(PROMETHEUS) $(K8S_TOOLS)
 	$(PY) -m pytest -q -m 'not slow'
 
-# Each demo starts clean: rawmm run refuses a shared directory that already holds a run.
+# Each demo starts clean: rawmm run refuses a shared directory that already holds a run. The learning run,
+# shortened to fit ~3 minutes: the tiny model learns to name an image's colour, past what a blind policy can
+# reach; it ends with the reward per step and the path of its report.html.
+DEMO_STEPS ?= 15
 demo: $(INSTALLED)
 	rm -rf runs/demo
-	$(VENV)/bin/rawmm run examples/local-tiny.yaml --output-dir runs/demo
+	$(VENV)/bin/rawmm run examples/local-tiny-learning.yaml --output-dir runs/demo --steps $(DEMO_STEPS)
 
 # ruff over everything; mypy over src and operator (pyproject's [tool.mypy]: strict on the typed core).
 lint: $(INSTALLED)
