@@ -30,3 +30,10 @@ def test_two_steps_of_kimi_with_cache_hits_and_no_invalid_refs(tmp_path: Path) -
     assert summary["images_materialized_trainer"] > 0 and summary["missing_images_trainer"] == 0
     assert list(summary["engine_weights_version"].values()) == [2]  # each checkpoint reloaded
     assert all(loss == loss for loss in summary["loss"])  # finite (NaN != NaN)
+
+
+def test_the_kimi_examples_are_valid_run_configs() -> None:
+    for name in ("local-kimi.yaml", "local-kimi-vllm.yaml"):
+        config = RunConfig.model_validate(yaml.safe_load((EXAMPLE.parent / name).read_text()))
+        assert (config.model.path, config.model.preset) == ("tiny:kimi_k25", "kimi_k25")
+        assert config.model.processor_backend == "pil"  # what vLLM's own Kimi path runs
