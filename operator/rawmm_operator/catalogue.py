@@ -56,7 +56,7 @@ class Build:
     @functools.cached_property
     def config(self) -> RunConfig:
         """The run config its pods read (derived once per build, only for the children that need it)."""
-        return run_config(self.run.name, self.run.namespace, self.spec)
+        return run_config(self.run.name, self.run.namespace, self.spec, uid=self.run.uid)
 
 
 def _always(_: Build) -> bool:

@@ -212,10 +212,18 @@ class Reconciler:
         # Read once per pass: a role is Running only when its pods are, and they say why they are not.
         pods = self.api.list("Pod", run.namespace, {RUN_LABEL: run.name})
 
+        conflict: list[str] = []  # set once the pass has tried to apply the claim
+
         def observed() -> Observed:
             children = {role: live[key] for role, key in observed_keys.items()}
             owned: dict[ObservedAs, Pods] = {role: _pods_of(child, pods) for role, child in children.items()}
-            return Observed(claim_name=claim, claim_event=claim_event, pods=owned, **children)
+            return Observed(
+                claim_name=claim,
+                claim_event=claim_event,
+                pods=owned,
+                claim_conflict=conflict[0] if conflict else None,
+                **children,
+            )
 
         ended = run_ended(observed=observed(), previous=previous, deadline_exceeded=exceeded)
         stage = stage_of(spec, ended, previous, now)
@@ -223,6 +231,9 @@ class Reconciler:
         self._create_once(run, spec, stage, outcome)
         built = catalogue.build(run, spec, stage=stage, pod_monitor=self.pod_monitor)
         outcome.applying = self._apply(run, built, live, outcome)
+        created = body["metadata"].get("creationTimestamp")
+        claim_now = live[observed_keys["claim"]]
+        conflict += filter(None, [_claim_conflict(run, created, spec, claim_now, outcome.applying)])
         for kind in catalogue.suspended_kinds(stage):
             self._release(run, kind, outcome)
         self._remove_once(run, spec, stage)
@@ -351,6 +362,27 @@ class Reconciler:
         if patch:
             meta = body["metadata"]
             self.api.patch(KIND, meta["namespace"], meta["name"], {"status": patch}, subresource="status")
+
+
+def _claim_conflict(
+    run: RunRef, created: str | None, spec: RLRunSpec, claim: dict[str, Any] | None, applying: Applying
+) -> str | None:
+    """Why the claim of the run's name, refused by the server, is not the one the spec asks for: a claim an
+    earlier run of this name left (`retainOnDelete`) keeps its class, modes and size, and the server refuses
+    to change them ("spec is immutable"), so without this the run would stay on it, saying only that."""
+    if claim is None or spec.offload.existing_claim is not None or owned_by(claim, run):
+        return None
+    meta, claim_spec = claim["metadata"], claim.get("spec") or {}
+    # Older than the RLRun (RFC 3339 UTC times compare as text): made for an earlier run of this name.
+    earlier = bool(created) and str(meta.get("creationTimestamp") or "") < str(created)
+    if not earlier or f"PersistentVolumeClaim/{meta['name']}" not in applying.rejected:
+        return None
+    has = f"storageClassName {claim_spec.get('storageClassName')!r}, accessModes {claim_spec.get('accessModes')}"
+    return (
+        f"PersistentVolumeClaim {meta['name']} is left from an earlier run of this name (retainOnDelete) with "
+        f"{has}, and a claim's class and modes cannot change: delete it (kubectl delete pvc {meta['name']} "
+        f"-n {run.namespace}; its data goes with it) or set spec.offload to match it"
+    )
 
 
 def _pods_of(owner: dict[str, Any] | None, pods: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:

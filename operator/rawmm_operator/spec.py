@@ -551,12 +551,22 @@ def vllm_args(inference: InferenceSpec) -> list[str]:
     return [*(["--tensor-parallel-size", str(parallel)] if parallel > 1 else []), *inference.extra_args]
 
 
-def run_config(run_name: str, namespace: str, spec: RLRunSpec) -> RunConfig:
+def run_dir(run_name: str, uid: str | None) -> PurePosixPath:
+    """The run's own directory on its claim, `/shared/runs/<name>/<uid>`: its images, rollout batches and
+    checkpoints live there, so runs that share a claim (an `existingClaim`, or a retained claim a new run
+    of the same name takes over) neither mix their files nor resume from each other's checkpoints, as
+    KubeRay and Kubeflow jobs on one shared volume each write their own directory. The claim's root stays
+    common to them: checkpoints placed there (`model.name: /shared/models/...`) and the hub cache.
+    Without a UID (an RLRun not yet stored, a test), `/shared/runs/<name>`."""
+    return SHARED_MOUNT / "runs" / run_name / (uid or "")
+
+
+def run_config(run_name: str, namespace: str, spec: RLRunSpec, *, uid: str | None = None) -> RunConfig:
     """The `RunConfig` the run's pods read from its ConfigMap (and the engines' command line derives from)."""
     return RunConfig(
         name=run_name,
         model=ModelConfig(path=spec.model.name, **_fields_of(ModelSettings, spec.model)),
-        shared_dir=Path(SHARED_MOUNT),
+        shared_dir=Path(run_dir(run_name, uid)),
         inference=InferenceConfig(
             **_fields_of(InferenceSettings, spec.inference),
             urls=engine_urls(run_name, namespace, spec.inference.replicas),

@@ -117,6 +117,8 @@ class Observed:
     trainer: dict[str, Any] | None
     claim_event: str | None = None  # the newest event of a claim that is not bound ("reason: message")
     pods: dict[ObservedAs, Pods] = field(default_factory=dict)
+    # Why the claim of the run's name is not the one its spec asks for (one an earlier run left), if it is not.
+    claim_conflict: str | None = None
 
     def pods_of(self, role: ObservedAs) -> Pods:
         return self.pods.get(role, ())
@@ -308,8 +310,10 @@ def derive_status(
         previous.offload.model_dump(include=usage_fields) if previous.offload else {}
     )
     claim_phase = ((observed.claim or {}).get("status") or {}).get("phase")
-    volume_ok = claim_phase == "Bound"
-    if observed.claim is None:
+    volume_ok = claim_phase == "Bound" and observed.claim_conflict is None
+    if observed.claim_conflict is not None:
+        volume = _Check("OffloadVolumeReady", False, "ClaimConflict", observed.claim_conflict)
+    elif observed.claim is None:
         volume = _Check(
             "OffloadVolumeReady",
             False,

@@ -111,7 +111,18 @@ def test_engine_statefulset_serves_raw_refs_with_the_cache_budget() -> None:
     assert container["command"] == ["rawmm"] and args[0] == "serve"
     assert args[args.index("--engine") + 1] == "vllm"
     assert args[args.index("--model") + 1] == "Qwen/Qwen3-VL-4B-Instruct"
-    assert args[args.index("--offload-root") + 1] == "/shared/images"
+    # The run's own directory on the claim (spec.run_dir), made by the pod before the engine starts.
+    assert args[args.index("--offload-root") + 1] == f"/shared/runs/exp/{RUN.uid}/images"
+    (directories,) = pod_spec(engines)["initContainers"]
+    assert directories["command"] == [
+        "mkdir",
+        "-p",
+        *(f"/shared/runs/exp/{RUN.uid}/{d}" for d in ("images", "rollouts", "checkpoints")),
+    ]
+    assert (
+        directories["image"] == container["image"]
+        and "nvidia.com/gpu" not in directories["resources"]["limits"]
+    )
     assert args[args.index("--processor-backend") + 1] == "torchvision"
     assert "--" not in args  # no vLLM arguments to pass on
     assert args[args.index("--materialize-cache-size") + 1] == "4Gi"
@@ -135,7 +146,7 @@ def test_engines_run_the_command_line_rawmm_run_gives_its_replicas(name: str) ->
     built = children(SPECS[name])
     (engine,) = pod_spec(built[("StatefulSet", "exp-engine")])["containers"]
     config = RunConfig.from_mapping(yaml.safe_load(built[("ConfigMap", "exp-config")]["data"]["run.yaml"]))
-    assert config == run_config(RUN.name, RUN.namespace, parse_spec(RUN.name, SPECS[name]))
+    assert config == run_config(RUN.name, RUN.namespace, parse_spec(RUN.name, SPECS[name]), uid=RUN.uid)
     assert engine["args"] == serve_argv(config, host="0.0.0.0", port=ENGINE_PORT)
     assert "RAWMM_MATERIALIZE_CACHE_SIZE" not in {e["name"] for e in engine["env"]}  # a flag, as locally
 
@@ -519,7 +530,10 @@ def test_engines_and_orchestrator_get_the_weights_token_and_root() -> None:
     (trainer,) = pod_spec(built[("Job", "exp-trainer")])["containers"]
     assert token in engine["env"] and token in orchestrator["env"]
     assert token not in trainer["env"]
-    assert engine["args"][engine["args"].index("--weights-root") + 1] == "/shared/checkpoints"
+    assert (
+        engine["args"][engine["args"].index("--weights-root") + 1]
+        == f"/shared/runs/exp/{RUN.uid}/checkpoints"
+    )
     secret = build_weights_secret(RUN, "s3cret")
     kubernetes_validate.validate(secret, KUBERNETES_VERSIONS[-1], strict=True)
     assert secret["metadata"]["name"] == "exp-weights" and secret["stringData"] == {"token": "s3cret"}

@@ -139,7 +139,8 @@ def test_run_config_for_the_pods() -> None:
     assert config.name == "exp"
     assert config.model.path == "Qwen/Qwen3-VL-4B-Instruct"
     assert config.model.processor_backend == "torchvision"
-    assert str(config.shared_dir) == "/shared"
+    assert str(config.shared_dir) == "/shared/runs/exp"  # no UID given: the run's name alone
+    assert str(run_config("exp", "ml", spec, uid="u-1").shared_dir) == "/shared/runs/exp/u-1"
     assert config.inference.engine == "vllm"
     assert config.inference.materialize_cache_size == "4Gi"
     assert config.inference.urls == [

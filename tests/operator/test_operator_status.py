@@ -302,6 +302,18 @@ def test_a_pod_that_ended_before_its_job_counted_it_keeps_the_phase() -> None:
     assert replacing.phase == "Provisioning"
 
 
+def test_a_claim_an_earlier_run_left_that_differs_is_a_conflict_not_a_running_run() -> None:
+    conflict = "PersistentVolumeClaim r-offload is left from an earlier run of this name ..."
+    status = derive(Observed(**{**observed().__dict__, "claim_conflict": conflict}))
+    volume = status.condition("OffloadVolumeReady")
+    assert volume is not None and (volume.status, volume.reason, volume.message) == (
+        "False",
+        "ClaimConflict",
+        conflict,
+    )
+    assert status.phase == "Pending"
+
+
 def test_jobs_the_operator_suspended_after_the_run_failed_are_not_reported_as_queued() -> None:
     status = derive(
         observed(trainer=job(condition="Failed", message="exit 1"), orchestrator=job(suspend=True))

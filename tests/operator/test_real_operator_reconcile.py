@@ -241,6 +241,74 @@ def test_a_pending_claim_says_why(run: Run) -> None:
     assert run.status()["phase"] == "Pending"
 
 
+def shared_dir(run: Run, name: str) -> str:
+    """The run directory `name`'s pods read from its ConfigMap."""
+    config = yaml.safe_load(run.get("configmap", f"{name}-config")["data"]["run.yaml"])
+    return str(config["shared_dir"])
+
+
+def test_runs_on_one_claim_each_write_their_own_directory_and_a_new_run_starts_afresh(run: Run) -> None:
+    """Two RLRuns on one existingClaim, and a run deleted and applied again: each run's images, batches
+    and checkpoints go to `/shared/runs/<name>/<uid>`, never to another's (nor resume from them)."""
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "team-shared"},
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "50Gi"}}},
+    }
+    run.kubectl("apply", "-f", "-", input=json.dumps(claim))
+    spec = {
+        **SPEC,
+        "inference": {**SPEC["inference"], "replicas": 1},
+        "offload": {"existingClaim": "team-shared"},
+    }
+    first, second = (
+        Run(run.cluster, run.namespace, run.operator, "a"),
+        Run(run.cluster, run.namespace, run.operator, "b"),
+    )
+    for each in (first, second):
+        each.create(spec)
+    dirs = {}
+    for each in (first, second):
+        uid = each.get("rlrun", each.name)["metadata"]["uid"]
+        dirs[each.name] = run.until(
+            lambda e=each: run.find("configmap", f"{e.name}-config") and shared_dir(run, e.name), "its config"
+        )
+        assert dirs[each.name] == f"/shared/runs/{each.name}/{uid}"
+        engine = run.until(lambda e=each: run.find("statefulset", f"{e.name}-engine"), "its engines")
+        (container,) = engine["spec"]["template"]["spec"]["containers"]
+        assert container["args"][container["args"].index("--offload-root") + 1] == f"{dirs[each.name]}/images"
+        (directories,) = engine["spec"]["template"]["spec"]["initContainers"]
+        assert f"{dirs[each.name]}/checkpoints" in directories["command"]
+    run.kubectl("delete", "rlrun", "a", "--wait=true")
+    first.create(spec)
+    again = run.until(
+        lambda: (d := run.find("configmap", "a-config") and shared_dir(run, "a")) and d != dirs["a"] and d,
+        "the new run's config",
+    )
+    assert again.startswith("/shared/runs/a/") and again != dirs["a"]
+
+
+def test_a_claim_left_by_an_earlier_run_that_differs_from_the_spec_says_what_to_do(run: Run) -> None:
+    """retainOnDelete kept the claim; the run is applied again with another class: the server refuses to
+    change the claim, and the run says it is an earlier run's and how to get the new one."""
+    run.create(
+        {**SPEC, "offload": {"size": "20Gi", "storageClassName": "rawmm-test", "retainOnDelete": True}}
+    )
+    run.until(lambda: run.condition("OffloadVolumeReady").get("reason") == "Bound", "the claim Bound")
+    run.kubectl("delete", "rlrun", run.name, "--wait=true")
+    assert run.find("pvc", "exp-offload") is not None  # retained
+    run.create({**SPEC, "offload": {"size": "20Gi", "storageClassName": "fast-ssd", "retainOnDelete": True}})
+    volume = run.until(
+        lambda: (c := run.condition("OffloadVolumeReady")) and c.get("reason") == "ClaimConflict" and c,
+        "OffloadVolumeReady=False ClaimConflict",
+    )
+    assert volume["status"] == "False"
+    assert "left from an earlier run" in volume["message"] and "'rawmm-test'" in volume["message"], volume
+    assert f"kubectl delete pvc exp-offload -n {run.namespace}" in volume["message"], volume
+    assert run.status()["phase"] != "Running"
+
+
 def test_a_refused_child_is_a_condition_and_retried_never_a_failed_run(run: Run) -> None:
     """An admission policy (as a webhook or a quota would) refuses the trainer Job: the run says so in
     `Reconciled` and retries; once the policy goes, the Job is created. The run never fails for it."""

@@ -11,7 +11,7 @@ from rawmm_operator import pods
 from rawmm_operator.children.config import weights_token_env
 from rawmm_operator.names import child_name
 from rawmm_operator.objects import Manifest, RunRef, metadata, selector
-from rawmm_operator.spec import ENGINE_PORT, RLRunSpec, default_image
+from rawmm_operator.spec import ENGINE_PORT, SHARED_MOUNT, RLRunSpec, default_image
 
 COMPONENT = "engine"
 STARTUP_PROBE_PERIOD = 10
@@ -59,6 +59,23 @@ def build_engine_statefulset(run: RunRef, spec: RLRunSpec, config: RunConfig, *,
         livenessProbe=_health_probe(period=15, failures=4),
         volumeMounts=pods.mounts(inference, config=False),
     )
+    # `rawmm serve` refuses an offload or weights root that does not exist, and on a fresh claim nothing else
+    # makes them in time: the trainer writes `checkpoints/` after its first step, which needs the engines.
+    # So the pod makes the run's own directories (`spec.run_dir`) before the engine starts.
+    directories = pods.container(
+        inference,
+        name="run-dir",
+        image=container["image"],
+        command=[
+            "mkdir",
+            "-p",
+            *(str(d) for d in (config.offload_dir, config.rollouts_dir, config.checkpoints_dir)),
+        ],
+        resources={"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
+        volumeMounts=[{"name": "shared", "mountPath": str(SHARED_MOUNT)}],
+    )
+    pod_spec = pods.pod_spec(run, spec, inference, [container], config=False)
+    pod_spec["initContainers"] = [directories]
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -69,9 +86,7 @@ def build_engine_statefulset(run: RunRef, spec: RLRunSpec, config: RunConfig, *,
             # Replicas are independent: start and replace them all at once.
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector(run, COMPONENT)},
-            "template": pods.pod_template(
-                run, COMPONENT, inference, pods.pod_spec(run, spec, inference, [container], config=False)
-            ),
+            "template": pods.pod_template(run, COMPONENT, inference, pod_spec),
         },
     }
 
