@@ -3,6 +3,8 @@ pixels normalized on use exactly as the processor normalizes them."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -309,3 +311,34 @@ def test_an_offload_root_given_through_a_symlink_is_read(make, tmp_path):
     through_link = RawImageMaterializer(make.loaded, roots=[link], missing_image_policy="error")
     got = through_link.materialize(concat_samples([make([image], "s")]))
     assert torch.equal(make.model_inputs(got)["pixel_values"], make.reference_inputs([image])["pixel_values"])
+
+
+def test_distinct_images_are_read_on_threads_as_one_would(make, monkeypatch):
+    """A micro-batch's distinct images are read and processed on `workers` threads; the tensors, stats
+    and the handling of a missing image are those of reading them one by one."""
+    images = [random_image(60 + 8 * i, 60, i) for i in range(3)]
+    samples = [make([images[0], images[1]], "a"), make([images[2]], "b"), make([images[0]], "c")]
+    delete_image(make, samples[1])
+    threads: list[str] = []
+    load = RawImageMaterializer._load
+
+    def recorded(self, image):
+        threads.append(threading.current_thread().name)
+        return load(self, image)
+
+    monkeypatch.setattr(RawImageMaterializer, "_load", recorded)
+    outs, stats = [], []
+    for workers in (1, 4):
+        threads.clear()
+        m = RawImageMaterializer(
+            make.loaded, roots=[make.store.root], missing_image_policy="zero_loss", workers=workers
+        )
+        m.begin_step(1)
+        outs.append(m.materialize(concat_samples(samples)))
+        stats.append((m.stats.images, m.stats.materialized, m.stats.missing, m.stats.held_bytes))
+        named = {name.startswith("materialize") for name in threads}
+        assert named == ({True} if workers > 1 else {False}) and len(threads) == 3  # each distinct image once
+    assert stats[0] == stats[1] == (4, 2, 1, stats[0][3])
+    assert outs[0].batch == outs[1].batch and outs[0].missing == outs[1].missing
+    for key, value in outs[0].mm_kwargs().items():
+        torch.testing.assert_close(outs[1].mm_kwargs()[key], value, rtol=0, atol=0)

@@ -4,6 +4,8 @@ Each image is read through the confined, hash-verified path (`rawmm.materialize.
 and processed by the family adapter with the run's processor identity — the same code and backend
 the engines use, so the trainer trains on the pixels the engines sampled from. Within one step an
 image is materialized once however many samples carry it (a group's prompt image, earlier turns).
+The distinct images of a micro-batch are read and processed on a few threads (`workers`): decoding,
+the hash check and the resize release the GIL, and the step waits for them before its first forward.
 
 Images are held as uint8 patches (the resized pixels before rescale and normalize: a quarter of
 float32) for the whole step; `normalizer` turns them into the processor's exact normalized pixels
@@ -19,8 +21,10 @@ A missing or unreadable image follows `missing_image_policy`:
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import get_args
@@ -106,6 +110,9 @@ class StepStats:
     held_bytes: int = 0  # bytes of the image inputs the step holds (each materialized image once)
 
 
+Loaded = tuple[dict[str, torch.Tensor], float]  # an image's uint8 inputs and the seconds they took
+
+
 def _dedupe_key(image: MMImageRef) -> str:
     # The hash names the bytes; the descriptor names the layout they are processed to.
     return image.mm_hash + json.dumps(image.descriptor, sort_keys=True, separators=(",", ":"))
@@ -122,6 +129,7 @@ class RawImageMaterializer:
         missing_image_policy: MissingImagePolicy,
         dedupe: bool = True,
         max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        workers: int = min(8, os.cpu_count() or 1),
     ) -> None:
         if missing_image_policy not in get_args(MissingImagePolicy):
             raise ValueError(
@@ -133,6 +141,7 @@ class RawImageMaterializer:
         self.max_pixels = max_pixels
         self.policy = missing_image_policy
         self.dedupe = dedupe
+        self.workers = workers
         self.step = 0
         self.stats = StepStats()
         self.normalizer = PixelNormalizer(processor)
@@ -157,10 +166,11 @@ class RawImageMaterializer:
         started = time.perf_counter()
         per_image: list[dict[str, torch.Tensor]] = []
         missing: list[tuple[int, MissingImage]] = []
+        ready = self._read_in_parallel(batch.images)
         for image, sample_index in zip(batch.images, batch.image_sample, strict=True):
             self.stats.images += 1
             try:
-                per_image.append(self._image_inputs(image))
+                per_image.append(self._image_inputs(image, ready))
             except InvalidImageRef as exc:
                 if exc.reason not in UNAVAILABLE_REASONS:
                     raise
@@ -175,17 +185,46 @@ class RawImageMaterializer:
             batch=batch, images=tuple(per_image), missing=tuple(m for _, m in missing)
         )
 
-    def _image_inputs(self, image: MMImageRef) -> dict[str, torch.Tensor]:
-        key = _dedupe_key(image)
-        if self.dedupe and key in self._done:
-            return self._done[key]
+    def _read_in_parallel(self, images: Sequence[MMImageRef]) -> dict[str, Loaded | InvalidImageRef]:
+        """The micro-batch's distinct images not materialized yet this step, each read and processed on
+        one of `workers` threads; an unavailable image's error is kept for the in-order loop, which
+        handles it as it would have raised it. Empty (the loop does it all) for fewer than two images,
+        one worker, or no dedupe."""
+        todo: dict[str, MMImageRef] = {}
+        for image in images:
+            key = _dedupe_key(image)
+            if key not in self._done:
+                todo.setdefault(key, image)
+        if not self.dedupe or self.workers < 2 or len(todo) < 2:
+            return {}
+        with ThreadPoolExecutor(min(self.workers, len(todo)), thread_name_prefix="materialize") as pool:
+            return dict(zip(todo, pool.map(self._load_or_error, todo.values()), strict=True))
+
+    def _load_or_error(self, image: MMImageRef) -> Loaded | InvalidImageRef:
+        try:
+            return self._load(image)
+        except InvalidImageRef as exc:
+            return exc
+
+    def _load(self, image: MMImageRef) -> Loaded:
         started = time.perf_counter()
         descriptor = RawImageDescriptor.from_dict(image.descriptor)
         pixels = read_ref_image(
             descriptor, mm_hash=image.mm_hash, roots=self.roots, max_pixels=self.max_pixels
         )
-        inputs = self._uint8_inputs([pixels], [descriptor])
-        metrics.MATERIALIZE_SECONDS.labels(side="trainer").observe(time.perf_counter() - started)
+        return self._uint8_inputs([pixels], [descriptor]), time.perf_counter() - started
+
+    def _image_inputs(
+        self, image: MMImageRef, ready: dict[str, Loaded | InvalidImageRef]
+    ) -> dict[str, torch.Tensor]:
+        key = _dedupe_key(image)
+        if self.dedupe and key in self._done:
+            return self._done[key]
+        loaded = ready.pop(key, None) or self._load(image)
+        if isinstance(loaded, InvalidImageRef):
+            raise loaded
+        inputs, seconds = loaded
+        metrics.MATERIALIZE_SECONDS.labels(side="trainer").observe(seconds)
         self.stats.materialized += 1
         self.stats.held_bytes += sum(t.nbytes for t in inputs.values())
         if self.dedupe:
