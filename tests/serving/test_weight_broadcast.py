@@ -155,3 +155,17 @@ def test_two_fsdp_ranks_broadcast_what_their_checkpoint_holds(
     assert b.load_weights(checkpoint).status_code == 200
     reloaded = generate(b)
     assert (reloaded["token_ids"], reloaded["logprobs"]) == (broadcast["token_ids"], broadcast["logprobs"])
+
+
+@pytest.mark.slow
+def test_a_refused_init_fails_the_sender_at_once(replicas: list[Server], tiny_qwen2_vl: Path) -> None:
+    a, _ = replicas  # no token in this process: the replica refuses the init
+    model = trained(tiny_qwen2_vl, seed=3)
+    client = HttpWeightSyncClient([a.url])
+    started = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncFailed, match="missing_token"):
+            BroadcastSender.trainer_init(model, client, master_address="127.0.0.1", timeout_s=120)
+    finally:
+        client.close()
+    assert time.monotonic() - started < 60

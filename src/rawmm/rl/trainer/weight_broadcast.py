@@ -17,7 +17,7 @@ import contextlib
 import datetime
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -125,10 +125,18 @@ class BroadcastSender:
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=master_address)]
         # The replicas block in their init until every rank has joined, and so does this rank: together.
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            joined = pool.submit(client.init_weight_transfer_engine, infos)
-            sender.group = dist.ProcessGroupGloo(store, 0, world_size, options)
-            joined.result()
+        # A replica that refuses the init never joins, so its error is raised at once, not at the timeout
+        # (the join left waiting then fails on its own when the timeout passes).
+        pool = ThreadPoolExecutor(max_workers=2)
+        try:
+            inited = pool.submit(client.init_weight_transfer_engine, infos)
+            joined = pool.submit(dist.ProcessGroupGloo, store, 0, world_size, options)
+            both: list[Future[Any]] = [inited, joined]
+            wait(both, return_when=FIRST_EXCEPTION)
+            inited.result()
+            sender.group = joined.result()
+        finally:
+            pool.shutdown(wait=False)
         sender._store = store
         return sender
 
