@@ -73,7 +73,8 @@ def mrope_position_ids(
         raise TypeError(f"{type(model).__name__} has no get_rope_index; its family must pass position ids")
     ids_rows, mask = _rows(input_ids, seq_lens)
     type_rows, _ = _rows(mm_token_type_ids, seq_lens)
-    rope_kwargs = {k: v for k, v in mm_kwargs.items() if k.endswith("grid_thw")}
+    # Positions are computed on the CPU, beside the token ids: the grids may already be on the model's device.
+    rope_kwargs = {k: v.cpu() for k, v in mm_kwargs.items() if k.endswith("grid_thw")}
     positions, _ = base.get_rope_index(ids_rows, type_rows, attention_mask=mask, **rope_kwargs)
     mrope = positions[:, mask.bool()]  # [3, N], back in packed order
     text = sample_positions(seq_lens).to(mrope)
