@@ -146,3 +146,41 @@ def test_logprobs_are_zero_at_sample_starts_and_backpropagate(model_and_processo
 
 def test_sample_positions_restart_per_sample():
     assert sample_positions([3, 1, 2]).tolist() == [0, 1, 2, 0, 0, 1]
+
+
+def test_wanted_tokens_get_every_token_logprobs_and_gradients_from_their_logits_only(model_and_processor):
+    """`wanted` (the trainer passes the loss mask): the lm_head runs on the positions that predict a wanted
+    token only, and those tokens' logprobs and the gradients through them are the full forward's."""
+    model, processor = model_and_processor
+    examples = [
+        example(processor, f"count the {IMAGE} shapes and answer three", [random_image(90, 60, 0)], "a"),
+        example(processor, "a text only turn with no image at all", [], "b"),
+    ]
+    packed = concat_samples([ex.sample for ex in examples])
+    wanted = torch.zeros(len(packed), dtype=torch.bool)
+    wanted[[0, 3, 4, 9, packed.seq_lens[0], packed.seq_lens[0] + 2, len(packed) - 1]] = True
+    keep = wanted & ~sample_starts(packed.seq_lens)  # a sample's first token has no logits to read
+    rows = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[1]))
+    try:
+        weights = torch.linspace(0.5, 1.5, len(packed))
+        full = forward_logprobs(model, packed, packed_kwargs(examples), QWEN)
+        (full * weights * keep).sum().backward()
+        want_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        part = forward_logprobs(model, packed, packed_kwargs(examples), QWEN, wanted=wanted)
+        (part * weights).sum().backward()
+        got_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        # No wanted token (a lockstep filler): zeros that still backpropagate through every unit.
+        none = forward_logprobs(model, packed, packed_kwargs(examples), QWEN, wanted=torch.zeros_like(wanted))
+        none.sum().backward()
+        model.zero_grad(set_to_none=True)
+    finally:
+        hook.remove()
+    assert rows == [len(packed), int(keep.sum()), 0]
+    assert (part[~keep] == 0).all() and (none == 0).all()
+    assert (part[keep] - full[keep]).abs().max().item() < 1e-5
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        assert torch.allclose(got_grads[name], grad, rtol=1e-4, atol=1e-6), name

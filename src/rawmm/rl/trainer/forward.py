@@ -21,6 +21,13 @@ An image used by several samples of a micro-batch (a group's prompt image) is en
 `image_index`, the kwargs hold each distinct image once and the vision tower's per-image outputs are
 repeated to every placeholder span inside the model's own forward (`scattered_image_features`), so
 autograd sums an image's gradients over its uses, as separate encodings would.
+
+Only the logits that score a wanted token are computed: given `wanted` (the loss tokens), the model's
+`lm_head` runs on the hidden states of the positions that predict them (`logits_to_keep`, inside the
+model's own forward, so FSDP gathers the head as usual) instead of on every token. The full-vocabulary
+logits of a micro-batch (151,936 columns for Qwen2-VL, in fp32 for the log-softmax) are gigabytes and
+their matmul and softmax work for tokens nothing reads: an RL batch's loss tokens are the completions,
+a few percent of its tokens.
 """
 
 from __future__ import annotations
@@ -90,6 +97,15 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, seq_lens: Sequ
     return logprobs.masked_fill(sample_starts(seq_lens).to(logits.device), 0.0)
 
 
+def wanted_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, targets: torch.Tensor, length: int
+) -> torch.Tensor:
+    """`[length]` logprobs, 0 except at `targets` (indices of tokens, none a sample start), where
+    `out[j]` = log p(token j | ...) from `logits[k]`, the logits of position `targets[k] - 1`."""
+    predicted = torch.log_softmax(logits.float(), dim=-1).gather(-1, input_ids[targets][:, None]).squeeze(-1)
+    return predicted.new_zeros(length).index_copy(0, targets, predicted)
+
+
 def sample_starts(seq_lens: Sequence[int]) -> torch.Tensor:
     """Boolean `[N]`: True at the first token of every sample."""
     starts = torch.zeros(sum(seq_lens), dtype=torch.bool)
@@ -152,13 +168,16 @@ def forward_logprobs(
     normalizer: PixelNormalizer | None = None,
     temperature: float = 1.0,
     image_index: Sequence[int] | None = None,
+    wanted: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token logprobs `[N]` of `batch.token_ids` under `model`, packed but per-sample exact.
 
     `mm_kwargs` are the materialized image tensors of the micro-batch (empty for text only): uint8
     pixels with the `normalizer` that makes them model inputs, or already normalized pixels without;
     one entry per placeholder span, or with `image_index` (the image of each span) each distinct image
-    once. `temperature` scales the logits the way the engine did when it sampled.
+    once. `temperature` scales the logits the way the engine did when it sampled. `wanted` (boolean
+    `[N]`, e.g. the loss mask): only those tokens' logprobs are computed, the others are 0; the logits
+    then exist only at the positions that predict them. None: every token's.
     """
     device = next(model.parameters()).device
     input_ids = torch.tensor(batch.token_ids, dtype=torch.long)
@@ -180,6 +199,12 @@ def forward_logprobs(
         raise ValueError("uint8 pixel_values need the materializer's normalizer")
     if policy.requires_mm_token_type_ids:
         inputs["mm_token_type_ids"] = mm_token_type_ids[None].to(device)
+    targets = None
+    if wanted is not None:  # a sample's first token has no prediction inside its sample
+        keep = wanted.cpu().bool() & ~sample_starts(batch.seq_lens)
+        targets = torch.nonzero(keep).reshape(-1).to(device)
+        if takes_logits_to_keep(model):
+            inputs["logits_to_keep"] = targets - 1
     encode_once = scattered_image_features(model, image_index) if repeats and image_index else nullcontext()
     with encode_once:
         logits = model(
@@ -189,6 +214,16 @@ def forward_logprobs(
             use_cache=False,
             **inputs,
         ).logits[0]
+    if targets is not None and "logits_to_keep" not in inputs:
+        logits = logits[targets - 1]
     if temperature != 1.0:
         logits = logits / temperature
+    if targets is not None:
+        return wanted_logprobs(logits, input_ids.to(device), targets, len(input_ids))
     return token_logprobs(logits, input_ids.to(device), batch.seq_lens)
+
+
+def takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether `model`'s forward computes logits only at given positions (`logits_to_keep` as indices:
+    transformers' generation-capable models)."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters

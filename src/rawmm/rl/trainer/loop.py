@@ -103,6 +103,8 @@ class Trainer:
         )
         # Each distinct image of a micro-batch through the vision tower once (a bench turns it off).
         self.encode_once = encodes_images_once(self.model)
+        # Logits at the loss tokens only; True: every token's, as before (a bench compares the two).
+        self.all_logits = False
         temperature = config.orchestrator.sampling.temperature
         # Greedy sampling has no temperature to undo; the engine reports plain logprobs then.
         self.temperature = temperature if temperature > 0 else 1.0
@@ -179,6 +181,7 @@ class Trainer:
     def _backward(self, m: MaterializedMicroBatch, step_tokens: int) -> torch.Tensor:
         device = self.dist.device
         mm_kwargs, image_index = m.unique_mm_kwargs() if self.encode_once else (m.mm_kwargs(), None)
+        loss_mask = _loss_mask(m)
         # FSDP's policy already computes in bf16 on GPU; an unsharded model gets it from autocast.
         with nullcontext() if self.sharded else autocast(device):
             new_logprobs = forward_logprobs(
@@ -189,12 +192,14 @@ class Trainer:
                 normalizer=self.materializer.normalizer,
                 temperature=self.temperature,
                 image_index=image_index,
+                # logits only where a loss token is predicted (a bench sets `all_logits` to compare)
+                wanted=None if self.all_logits else loss_mask,
             )
         parts = policy_gradient_loss(
             new_logprobs,
             torch.tensor(m.batch.logprobs, dtype=torch.float32, device=device),
             torch.tensor(m.batch.advantages, dtype=torch.float32, device=device),
-            _loss_mask(m).to(device),
+            loss_mask.to(device),
             clip_low=self.config.trainer.clip_ratio_low,
             clip_high=self.config.trainer.clip_ratio_high,
             step_tokens=step_tokens,
