@@ -2,23 +2,33 @@
 attention implementations, both sides in one run.
 
 A random-weight model with Qwen2-VL-2B-Instruct's shapes (text: hidden 1536, 28 layers, 12 heads, 2 KV
-heads, intermediate 8960; vision: depth 32, embed 1280, 16 heads), the tiny checkpoint's tokenizer and
-processor at the real pixel budget (a 1280x720 screenshot is 1196 placeholder tokens). The step batch is
-`--rollouts` rollouts of `--turns` turns, each turn a new 1280x720 screenshot, played through the
-orchestrator's own `play` against a scripted engine (a fixed reply and the end-of-turn token).
+heads, intermediate 8960, vocabulary 151,936 tied to the embeddings; vision: depth 32, embed 1280, 16 heads;
+2.21 B params), the tiny checkpoint's tokenizer and processor at the real pixel budget (a 1280x720
+screenshot is 1196 placeholder tokens). The step batch is `--rollouts` rollouts of `--turns` turns, each
+turn a new 1280x720 screenshot, played through the orchestrator's own `play` against a scripted engine (a
+fixed reply and the end-of-turn token).
 
 Variants (each: one warm-up step, then `--steps` timed steps; checkpoint writes left out):
 - before: one sample per turn (`turn_samples`), every placeholder span encoded, FSDP2 on a one-rank
-  group (bf16 compute: what the issue measured; a plain one-GPU run computed in fp32 then);
+  group (bf16 compute: what the issue measured; a plain one-GPU run computed in fp32 then), logits of
+  every token;
 - after_fsdp: one sample per branch (`branch_samples`), each image encoded once per micro-batch, FSDP2
   as before: the data-path gain alone;
-- after_ddp: the same batch on the one-GPU default path now: unsharded, bf16 autocast, sdpa;
-- after_varlen: after_ddp with `rawmm_varlen` attention (varlen flash kernel, no mask).
-Per variant: step time, tokens/s, rollouts/s, peak memory, MFU = (6 x text params x tokens forwarded +
-6 x vision params x patches encoded) / step time / `--peak-tflops` (attention FLOPs not counted).
-Then, on the after_ddp trainer's model, each attention implementation (`--attn`): whether transformers
-takes it, packed vs alone max |logprob diff| on the loss tokens of the first per-turn micro-batch (its
-samples; bf16 autocast), and its forward+backward time. JSON lines, then SUMMARY lines.
+- after_ddp: the same batch on the one-GPU path: unsharded, bf16 autocast, sdpa;
+- after_varlen: after_ddp with `rawmm_varlen` attention (varlen flash kernel, no mask);
+- after_logits / after_logits_varlen: after_ddp / after_varlen with the logits computed only where a loss
+  token is predicted (the trainer's default now; the variants above set `Trainer.all_logits`);
+- after_big_micro: after_logits with `--big-micro-batch-tokens` per forward (`--big-attn`), skipped when the
+  last variant's activations scaled to it would not fit the GPU.
+Per variant: step time, tokens/s, rollouts/s, peak memory and MFU against `--peak-tflops`. MFU counts the
+useful model FLOPs (`step_flops`): decoder params x tokens, the lm_head at the loss tokens only, causal
+attention within each sample, vision params x patches encoded (the merger's on merged tokens) and vision
+attention within each image; "6N" is the first run's formula (6 x params x tokens, no attention) for
+comparison. Then one step of `--profile` under torch.profiler (a profiled step runs slower): GPU busy
+time against the step's wall time, kernel time by kind, top kernels. Then, on an unsharded trainer's
+model, each attention implementation (`--attn`): whether transformers takes it, packed vs alone max
+|logprob diff| on the loss tokens of the first per-turn micro-batch (its samples; bf16 autocast), and its
+forward+backward time. JSON lines, then SUMMARY lines.
 
     python bench/trainer_gpu.py [--size real|tiny] [--turns 4] [--rollouts 3] [--steps 2] [--deadline 220]
 """
@@ -47,6 +57,7 @@ REAL_TEXT = {
     "num_attention_heads": 12,
     "num_key_value_heads": 2,
     "max_position_embeddings": 32768,
+    "vocab_size": 151936,  # the real vocabulary: the lm_head and its logits at full size (the tokenizer is tiny)
 }
 REAL_VISION = {"depth": 32, "embed_dim": 1280, "num_heads": 16, "mlp_ratio": 4, "hidden_size": 1536}
 REPLY = " click the search field, type the query and press enter"
@@ -76,6 +87,7 @@ def real_config(model_dir: Path, size: str) -> Any:
         rope = dict(text.rope_parameters)
         rope["mrope_section"] = [16, 24, 24]  # head_dim 128: 64 frequencies
         text.rope_parameters = rope
+        config.tie_word_embeddings = text.tie_word_embeddings = True  # as Qwen2-VL-2B: 2.21 B params
         for key, value in REAL_VISION.items():
             setattr(vision, key, value)
         config.save_pretrained(model_dir)
@@ -148,21 +160,122 @@ def play_rollouts(renderer: Any, uris: list[list[str]]) -> list[Any]:
     return asyncio.run(all_of_them())
 
 
-def patches_encoded(samples: list[Any], micro_batch_tokens: int, *, once: bool) -> int:
+def encoded_images(samples: list[Any], micro_batch_tokens: int, *, once: bool) -> list[tuple[int, int, int]]:
+    """The `(t, h, w)` patch grid of every image the vision tower encodes in a step: each placeholder
+    span's, or (`once`) each distinct image's once per micro-batch."""
     from rawmm.rl.trainer.packing import pack_samples
 
-    total = 0
+    grids: list[tuple[int, int, int]] = []
     for micro in pack_samples(samples, micro_batch_tokens):
-        seen: dict[str, int] = {}
+        seen: dict[str, tuple[int, int, int]] = {}
         for image in micro.images:
             (t, h, w), *_ = image.descriptor["payload"]["image_grid_thw"]
-            patches = t * h * w
             if once:
-                seen[image.mm_hash] = patches
+                seen[image.mm_hash] = (t, h, w)
             else:
-                total += patches
-        total += sum(seen.values())
-    return total
+                grids.append((t, h, w))
+        grids += seen.values()
+    return grids
+
+
+def step_flops(
+    samples: list[Any], grids: list[tuple[int, int, int]], dims: dict[str, float]
+) -> dict[str, float]:
+    """The step's model FLOPs (forward + backward = 3 x forward), by part; `useful` is their sum, what MFU
+    counts, `six_n` the first run's formula (6 x params x tokens, text without embeddings, all vision).
+
+    - text: 6 x the decoder layers' params x tokens forwarded;
+    - lm_head: 6 x vocab x hidden x the tokens whose logprob the loss reads (the loss tokens): logits
+      anywhere else are work nothing uses, whether or not a variant computes them;
+    - text attention: causal within each sample, QK^T and AV at 2 n^2 d / 2 each, so 6 L d n^2 per
+      sample (d = heads x head_dim); across packed samples nothing is useful (sdpa's mask computes it);
+    - vision: 6 x the blocks' and patch embedding's params x patches, the merger's x patches / merge^2
+      (it runs on merged tokens); vision attention: bidirectional within each frame, 12 L d p^2.
+    """
+    tokens = sum(len(s) for s in samples)
+    loss_tokens = sum(sum(s.loss_mask[1:]) for s in samples)  # a sample's first token is never predicted
+    patches = sum(t * h * w for t, h, w in grids)
+    parts = {
+        "text": 6.0 * dims["text_layers"] * tokens,
+        "lm_head": 6.0 * dims["lm_head"] * loss_tokens,
+        "text_attn": 6.0 * dims["text_layers_n"] * dims["text_attn_dim"] * sum(len(s) ** 2 for s in samples),
+        "vision": 6.0 * dims["vision_blocks"] * patches + 6.0 * dims["merger"] * patches / dims["merge"],
+        "vision_attn": 12.0
+        * dims["vision_depth"]
+        * dims["vision_dim"]
+        * sum(t * (h * w) ** 2 for t, h, w in grids),
+    }
+    parts["useful"] = sum(parts.values())
+    parts["six_n"] = 6.0 * dims["text_no_embed"] * tokens + 6.0 * dims["vision_all"] * patches
+    return parts
+
+
+KERNEL_KINDS = (  # first match wins: a kernel's kind by its name
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("matmul", ("gemm", "cutlass", "cublas", "nvjet", "sm90", "sm80", "matmul", "wgmma")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("copy", ("memcpy", "memset", "copy", "cat", "index")),
+    ("softmax/norm", ("softmax", "norm", "reduce")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lower = name.lower()
+    return next((kind for kind, words in KERNEL_KINDS if any(w in lower for w in words)), "elementwise/other")
+
+
+def profile_step(trainer: Any, samples: list[Any], name: str, cuda: bool) -> str:
+    """One train step of `name` under torch.profiler: the GPU's busy time against the step's wall time
+    (the rest is the host: materializing, Python, launches, syncs), its kernel time by kind, and the top
+    kernels (on CPU: the top ops by self CPU time). The full table goes to the log."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from rawmm.rl.samples import RolloutBatch
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        report = trainer.train_step(RolloutBatch(step=trainer.step + 1, samples=samples))
+        if cuda:
+            torch.cuda.synchronize()
+    wall_ms = report.step_seconds * 1e3
+    if not cuda:
+        ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
+        cpu_top = ", ".join(f"{e.key} {e.self_cpu_time_total / 1e3:.0f}ms" for e in ops)
+        emit("profile", variant=name, step_ms=round(wall_ms), top_cpu_ops=cpu_top)
+        return f"profile | {name} (CPU): step {wall_ms:.0f}ms; top self CPU: {cpu_top}"
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, end = 0.0, float("-inf")  # the union of kernel intervals (streams may overlap)
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        us = e.time_range.end - e.time_range.start
+        by_kind[kernel_kind(e.name)] = by_kind.get(kernel_kind(e.name), 0.0) + us
+        by_name.setdefault(e.name, []).append(us)
+    top = sorted(by_name.items(), key=lambda kv: sum(kv[1]), reverse=True)[:25]
+    for kernel, times in top:
+        emit(
+            "kernel",
+            ms=round(sum(times) / 1e3, 1),
+            calls=len(times),
+            kind=kernel_kind(kernel),
+            name=kernel[:160],
+        )
+    kinds = ", ".join(f"{k} {v / 1e3:.0f}ms" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]))
+    top5 = ", ".join(f"{k[:60]} {sum(t) / 1e3:.0f}ms x{len(t)}" for k, t in top[:5])
+    emit("profile", variant=name, step_ms=round(wall_ms), gpu_busy_ms=round(busy / 1e3), kinds=by_kind)
+    return (
+        f"profile | {name}: step {wall_ms:.0f}ms, GPU busy {busy / 1e3:.0f}ms ({100 * busy / 1e3 / wall_ms:.0f}%), "
+        f"materialize {report.materialize_seconds * 1e3:.0f}ms | by kind: {kinds} | top: {top5}"
+    )
 
 
 def main() -> None:  # noqa: PLR0915 - one linear script
@@ -174,13 +287,22 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     parser.add_argument("--image", default="1280x720")
     parser.add_argument("--max-pixels", type=int, default=12845056)
     parser.add_argument("--micro-batch-tokens", type=int, default=6144)
-    parser.add_argument("--variants", default="before,after_fsdp,after_ddp,after_varlen")
+    parser.add_argument(
+        "--variants",
+        default="before,after_fsdp,after_ddp,after_varlen,after_logits,after_logits_varlen,after_big_micro",
+    )
+    parser.add_argument(
+        "--big-micro-batch-tokens", type=int, help="after_big_micro's tokens per forward (default 2x)"
+    )
+    parser.add_argument("--big-attn", default="rawmm_varlen", help="after_big_micro's attention")
+    parser.add_argument("--profile", default="after_logits_varlen", help="the variant to profile one step of")
     parser.add_argument("--attn", default="sdpa,rawmm_varlen,flex_attention,flash_attention_2")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 peak (H200 measured)")
     parser.add_argument("--deadline", type=float, default=220.0, help="seconds from start")
     parser.add_argument("--work")
     args = parser.parse_args()
     width, height = (int(v) for v in args.image.split("x"))
+    args.big_micro_batch_tokens = args.big_micro_batch_tokens or 2 * args.micro_batch_tokens
     work = Path(args.work or tempfile.mkdtemp(prefix="rawmm-gpu-step-"))
 
     import torch
@@ -194,7 +316,7 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     from rawmm.rl.samples import RolloutBatch
     from rawmm.rl.trainer.attention import register_varlen_attention
     from rawmm.rl.trainer.distributed import DistContext
-    from rawmm.rl.trainer.forward import forward_logprobs
+    from rawmm.rl.trainer.forward import forward_logprobs, sample_starts
     from rawmm.rl.trainer.loop import Trainer
     from rawmm.rl.trainer.packing import concat_samples, pack_samples
     from rawmm.rl.trainer.precision import autocast
@@ -261,7 +383,7 @@ def main() -> None:  # noqa: PLR0915 - one linear script
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
     trainer: Any = None
-    flops_per: dict[str, float] = {}
+    dims: dict[str, float] = {}
 
     def make_trainer(sharded: bool) -> Any:
         nonlocal trainer
@@ -278,18 +400,36 @@ def main() -> None:  # noqa: PLR0915 - one linear script
         parallelism = "fsdp" if sharded else "ddp"
         trainer_config = config.trainer.model_copy(update={"parallelism": parallelism})
         made = Trainer(config.model_copy(update={"trainer": trainer_config}), ctx)
-        made._checkpoint = lambda step: work / f"no-checkpoint-{step}"
+        made._checkpoint = lambda step: work / f"no-checkpoint-{step}"  # type: ignore[method-assign]
         base = made.model.model
         vision = sum(p.numel() for p in base.visual.parameters())
         text = sum(p.numel() for p in made.model.parameters()) - vision
-        text -= base.language_model.embed_tokens.weight.numel()  # a lookup, not a matmul
-        flops_per.update(text=6.0 * text, vision=6.0 * vision)
+        embed = base.language_model.embed_tokens.weight.numel()  # a lookup, not a matmul
+        merger = sum(p.numel() for p in base.visual.merger.parameters())
+        text_cfg, vision_cfg = model_config.text_config, model_config.vision_config
+        head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+        dims.update(
+            text_no_embed=text - embed,  # the first run's count (its lm_head was the tiny vocabulary's)
+            vision_all=vision,
+            text_layers=sum(p.numel() for p in base.language_model.parameters()) - embed,
+            lm_head=text_cfg.vocab_size * text_cfg.hidden_size,
+            text_layers_n=text_cfg.num_hidden_layers,
+            text_attn_dim=text_cfg.num_attention_heads * head_dim,
+            vision_blocks=vision - merger,
+            merger=merger,
+            merge=vision_cfg.spatial_merge_size**2,
+            vision_depth=vision_cfg.depth,
+            vision_dim=vision_cfg.embed_dim,
+        )
         emit(
             "trainer",
             sharded=made.sharded,
             seconds=round(time.perf_counter() - started, 1),
+            params=text + vision,
             text_params=text,
             vision_params=vision,
+            tied_lm_head=made.model.lm_head.weight is base.language_model.embed_tokens.weight,
+            state_gib=round(torch.cuda.memory_allocated() / 2**30, 2) if cuda else None,
         )
         trainer = made
         return made
@@ -297,25 +437,37 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     results: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
     last_step = 0.0
+    memory: dict[str, float] = {}  # the last variant's state and peak (GiB): the big micro-batch's estimate
 
-    def run_variant(name: str, side: str, *, sharded: bool, attn: str, once: bool) -> None:
-        nonlocal last_step
+    def configure(sharded: bool, attn: str, once: bool, all_logits: bool, micro_tokens: int) -> Any:
         if trainer is None or trainer.sharded != sharded:
             make_trainer(sharded)
         trainer.model.set_attn_implementation(attn)
         trainer.encode_once = once
+        trainer.all_logits = all_logits
+        update = {"micro_batch_tokens": micro_tokens, "seq_len": max(micro_tokens, mbt)}
+        trainer.config = config.model_copy(
+            update={"trainer": trainer.config.trainer.model_copy(update=update)}
+        )
+        return trainer
+
+    def run_variant(name: str, side: str, micro_tokens: int, **how: Any) -> None:
+        nonlocal last_step
+        configure(micro_tokens=micro_tokens, **how)
         samples = batches[side]
         tokens = sum(len(s) for s in samples)
-        patches = patches_encoded(samples, mbt, once=once)
+        grids = encoded_images(samples, micro_tokens, once=how["once"])
+        patches = sum(t * h * w for t, h, w in grids)
+        flops = step_flops(samples, grids, dims)
         rows = []
         for i in range(args.steps + 1):
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+                memory["state"] = torch.cuda.memory_allocated() / 2**30
             r = trainer.train_step(RolloutBatch(step=trainer.step + 1, samples=samples))
             if cuda:
                 torch.cuda.synchronize()
-            flops = flops_per["text"] * tokens + flops_per["vision"] * patches
             row = {
                 "variant": name,
                 "warmup": i == 0,
@@ -323,38 +475,68 @@ def main() -> None:  # noqa: PLR0915 - one linear script
                 "materialize_s": round(r.materialize_seconds, 3),
                 "tokens": tokens,
                 "patches_encoded": patches,
+                "micro_batches": len(pack_samples(samples, micro_tokens)),
                 "tokens_per_s": round(tokens / r.step_seconds, 1),
                 "rollouts_per_s": round(args.rollouts / r.step_seconds, 3),
-                "mfu": round(flops / r.step_seconds / (args.peak_tflops * 1e12), 4),
+                "mfu": round(flops["useful"] / r.step_seconds / (args.peak_tflops * 1e12), 4),
+                "mfu_6n": round(flops["six_n"] / r.step_seconds / (args.peak_tflops * 1e12), 4),
+                "tflop": {k: round(v / 1e12, 2) for k, v in flops.items()},
                 "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                 "loss": r.loss,
                 "loss_tokens": r.loss_tokens,
                 "grad_norm": r.grad_norm,
+                "logprob_diff_mean": r.logprob_diff_mean,
             }
             emit("step", **row)
             if i:
                 rows.append(row)
         results[name] = {
             k: statistics.median(row[k] for row in rows)
-            for k in ("step_s", "tokens_per_s", "rollouts_per_s", "mfu", "peak_gib")
+            for k in ("step_s", "tokens_per_s", "rollouts_per_s", "mfu", "mfu_6n", "peak_gib")
             if rows[0][k] is not None
         } | {"tokens": tokens, "patches_encoded": patches}
         last_step = max(row["step_s"] for row in rows)
+        if cuda:
+            memory["peak"] = torch.cuda.max_memory_allocated() / 2**30
 
-    plans = {
-        "before": ("before", True, "sdpa", False),
-        "after_fsdp": ("after", True, "sdpa", True),
-        "after_ddp": ("after", False, "sdpa", True),
-        "after_varlen": ("after", False, "rawmm_varlen", True),
+    # name: (side, micro-batch tokens, sharded, attention, each image once, every token's logits)
+    big = args.big_micro_batch_tokens
+    plans: dict[str, tuple[str, int, bool, str, bool, bool]] = {
+        "before": ("before", mbt, True, "sdpa", False, True),
+        "after_fsdp": ("after", mbt, True, "sdpa", True, True),
+        "after_ddp": ("after", mbt, False, "sdpa", True, True),
+        "after_varlen": ("after", mbt, False, "rawmm_varlen", True, True),
+        "after_logits": ("after", mbt, False, "sdpa", True, False),
+        "after_logits_varlen": ("after", mbt, False, "rawmm_varlen", True, False),
+        "after_big_micro": ("after", big, False, args.big_attn, True, False),
     }
+
+    def too_big(micro_tokens: int) -> str | None:
+        """Whether `micro_tokens` per forward would exceed the GPU, by the last variant's activations
+        (peak - state) times the samples per micro-batch now; None when it fits (or no GPU)."""
+        if not cuda or "peak" not in memory:
+            return None
+        per_micro = max(len(m.samples) for m in pack_samples(batches["after"], micro_tokens))
+        before = max(len(m.samples) for m in pack_samples(batches["after"], mbt))
+        need = memory["state"] + (memory["peak"] - memory["state"]) * per_micro / before
+        total = torch.cuda.get_device_properties(0).total_memory / 2**30
+        return f"skipped (memory: ~{need:.0f} of {total:.0f} GiB)" if need > 0.92 * total else None
+
     for name in [v for v in args.variants.split(",") if v]:
         left = args.deadline - (time.perf_counter() - START)
         if left < (args.steps + 1) * last_step * 1.5 + 20:
             failed[name] = "skipped (deadline)"
             continue
-        side, sharded, attn, once = plans[name]
+        side, micro_tokens, sharded, attn, once, all_logits = plans[name]
+        skip = too_big(micro_tokens) if micro_tokens != mbt else None
+        if skip:
+            failed[name] = skip
+            emit("variant_skipped", variant=name, reason=skip)
+            continue
         try:
-            run_variant(name, side, sharded=sharded, attn=attn, once=once)
+            run_variant(
+                name, side, micro_tokens, sharded=sharded, attn=attn, once=once, all_logits=all_logits
+            )
         except Exception as exc:  # noqa: BLE001 - a variant's failure is a result
             failed[name] = f"{type(exc).__name__}: {exc}"[:300]
             emit("variant_error", variant=name, traceback=traceback.format_exc())
@@ -368,10 +550,18 @@ def main() -> None:  # noqa: PLR0915 - one linear script
         ratio = f" ({f['rollouts_per_s'] / before['rollouts_per_s']:.2f}x rollouts/s)" if before else ""
         peak = f" peak {f['peak_gib']:.1f}GiB" if "peak_gib" in f else ""
         parts.append(
-            f"{name}: step {f['step_s']:.2f}s {f['tokens_per_s']:.0f} tok/s "
-            f"{f['rollouts_per_s']:.2f} rollouts/s MFU {100 * f['mfu']:.1f}%{peak}{ratio}"
+            f"{name}: step {f['step_s']:.2f}s {f['tokens_per_s']:.0f} tok/s {f['rollouts_per_s']:.2f} rollouts/s "
+            f"MFU {100 * f['mfu']:.1f}% (6N {100 * f['mfu_6n']:.1f}%){peak}{ratio}"
         )
     print("SUMMARY: steps | " + " | ".join(parts) + (f" | failed {failed}" if failed else ""), flush=True)
+    if args.profile and args.deadline - (time.perf_counter() - START) > 3 * last_step + 20:
+        try:
+            side, micro_tokens, sharded, attn, once, all_logits = plans[args.profile]
+            configure(sharded, attn, once, all_logits, micro_tokens)
+            print("SUMMARY: " + profile_step(trainer, batches[side], args.profile, cuda), flush=True)
+        except Exception as exc:  # noqa: BLE001 - the figures above stand without it
+            emit("profile_error", traceback=traceback.format_exc())
+            print(f"SUMMARY: profile | {type(exc).__name__}: {exc}"[:300], flush=True)
     # Attention implementations on the unsharded trainer's model: the first per-turn micro-batch (a few samples).
     attention: dict[str, dict[str, Any]] = {}
     try:
@@ -387,9 +577,12 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     alone_m = [materializer.materialize(concat_samples([s])) for s in micro.samples]
     policy, normalizer = materializer.forward_policy, materializer.normalizer
 
-    def logprobs(m: Any) -> Any:
+    def logprobs(m: Any) -> Any:  # the loss tokens' logprobs, as the trainer now computes them
         kwargs, index = m.unique_mm_kwargs()
-        return forward_logprobs(model, m.batch, kwargs, policy, normalizer=normalizer, image_index=index)
+        wanted = torch.tensor(m.batch.loss_mask, dtype=torch.bool)
+        return forward_logprobs(
+            model, m.batch, kwargs, policy, normalizer=normalizer, image_index=index, wanted=wanted
+        )
 
     for impl in [a for a in args.attn.split(",") if a]:
         if args.deadline - (time.perf_counter() - START) < 15:
@@ -400,7 +593,9 @@ def main() -> None:  # noqa: PLR0915 - one linear script
             with torch.no_grad(), autocast(device):
                 packed = logprobs(packed_m)
                 alone = torch.cat([logprobs(m) for m in alone_m])
-            mask = torch.tensor(micro.loss_mask, device=packed.device)
+            mask = torch.tensor(micro.loss_mask, device=packed.device) & ~sample_starts(micro.seq_lens).to(
+                packed.device
+            )
             diff = (packed - alone).abs()[mask].max().item()
             times = []
             for _ in range(3):
