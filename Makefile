@@ -129,13 +129,13 @@ images: $(IMAGE_ARCHIVES)
 tools: $(K8S_TOOLS)
 
 # For people: a cluster like the tests' one; prints `export KUBECONFIG=...`, runs until Ctrl-C.
-cluster: $(INSTALLED) $(K8S_TOOLS)
+cluster: $(INSTALLED) $(K8S_TOOLS) $(IMAGE_ARCHIVES)
 	cd tests && exec ../$(PY) -m kube.cluster
 # --- end of the control plane --------------------------------------------------------------------------
 
 install: $(INSTALLED) $(PROMETHEUS) $(K8S_TOOLS)
 
-test: $(INSTALLED) $(PROMETHEUS) $(K8S_TOOLS)
+test: $(INSTALLED) $(PROMETHEUS) $(K8S_TOOLS) $(IMAGE_ARCHIVES)
 	$(PY) -m pytest -q
 
 test-fast: $(INSTALLED) $(PROMETHEUS) $(K8S_TOOLS)

@@ -88,6 +88,10 @@ CONTROLLERS = (
     "persistentvolume-protection-controller",
 )
 
+# With the real node: Services get EndpointSlices (CoreDNS answers from them, kube-proxy routes by them) and
+# Deployments get pods (the chart's operator runs as one).
+NODE_CONTROLLERS = ("endpointslice-controller", "deployment-controller", "replicaset-controller")
+
 
 def wait_for(check: Callable[[], Any], what: str, timeout: float = 60, interval: float = 0.1) -> Any:
     """Poll `check` until it returns something truthy; TimeoutError naming `what` after `timeout` s."""
@@ -716,8 +720,7 @@ def _start_cluster(root: Path, network: NodeNetwork | None) -> Iterator[KubeClus
         start(
             "kube-controller-manager",
             f"--kubeconfig={kubeconfig}",
-            # with the real node, Services get EndpointSlices (CoreDNS answers from them, kube-proxy routes by them)
-            f"--controllers={','.join([*CONTROLLERS, *(['endpointslice-controller'] if network else [])])}",
+            f"--controllers={','.join([*CONTROLLERS, *(NODE_CONTROLLERS if network else ())])}",
             f"--root-ca-file={pki / 'ca.crt'}",
             "--secure-port=0",
             "--leader-elect=false",
