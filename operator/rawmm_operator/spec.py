@@ -9,6 +9,7 @@ reached it anyway (an older CRD, a server without CEL).
 
 from __future__ import annotations
 
+import os
 import posixpath
 import re
 from collections.abc import Callable
@@ -76,8 +77,12 @@ def run_name_problem(name: str) -> str | None:
 
 def default_image(component: Literal["operator", "inference", "trainer"]) -> str:
     """The image of this operator's own release, for a role whose `image` is empty. Resolved at
-    reconcile time, never stored as a CRD default, so upgrading the operator moves such runs along."""
-    return f"ghcr.io/rawmm/rawmm-{component}:{rawmm.__version__}"
+    reconcile time, never stored as a CRD default, so upgrading the operator moves such runs along.
+    RAWMM_IMAGE_REGISTRY and RAWMM_IMAGE_TAG (the chart's runs.images) point every run at your builds."""
+    registry = os.environ.get("RAWMM_IMAGE_REGISTRY") or "ghcr.io/rawmm"
+    return (
+        f"{registry.rstrip('/')}/rawmm-{component}:{os.environ.get('RAWMM_IMAGE_TAG') or rawmm.__version__}"
+    )
 
 
 def _as_in(config: type[BaseModel], name: str, **field: Any) -> Any:

@@ -157,3 +157,12 @@ def test_engine_urls_follow_the_replica_count() -> None:
     spec = parse_spec("big", MULTI_NODE)
     assert run_config("big", "team", spec).inference.urls == engine_urls("big", "team", 4)
     assert len(set(engine_urls("big", "team", 4))) == 4
+
+
+def test_default_images_follow_the_image_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the chart's runs.images.registry/tag, as the operator's environment
+    monkeypatch.setenv("RAWMM_IMAGE_REGISTRY", "registry.example.com/team/")
+    monkeypatch.setenv("RAWMM_IMAGE_TAG", "dev-1")
+    assert default_image("trainer") == "registry.example.com/team/rawmm-trainer:dev-1"
+    monkeypatch.setenv("RAWMM_IMAGE_TAG", "")
+    assert default_image("inference") == f"registry.example.com/team/rawmm-inference:{rawmm.__version__}"
