@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from test_local_run import assert_all_stopped, e2e_config
+from test_local import assert_all_stopped, e2e_config
 
 from rawmm.run import LocalRun, plan_local_run
 from rawmm.run.scrape import scrape
