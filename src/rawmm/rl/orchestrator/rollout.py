@@ -18,6 +18,7 @@ import asyncio
 import hashlib
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,23 +154,35 @@ def trainable_completion(generation: GenerateResponse, placeholder_id: int) -> t
     return tokens[:cut], logprobs[:cut]
 
 
-def turn_samples(rollout: Rollout, advantage: float, placeholder_id: int) -> list[Sample]:
-    """One sample per turn that generated trainable tokens: its prompt plus its completion."""
-    samples = []
+def _trainable_turns(
+    rollout: Rollout, placeholder_id: int
+) -> Iterator[tuple[int, Turn, list[int], list[float]]]:
+    """Each turn that generated trainable tokens: its number, itself, and those tokens and logprobs."""
     for number, turn in enumerate(rollout.turns):
         tokens, logprobs = trainable_completion(turn.generation, placeholder_id)
         if tokens:
-            samples.append(
-                completion_sample(
-                    turn.prompt,
-                    tokens,
-                    logprobs,
-                    advantage=advantage,
-                    reward=rollout.reward,
-                    sample_id=f"{rollout.id}-t{number}",
-                )
-            )
-    return samples
+            yield number, turn, tokens, logprobs
+
+
+def _first_turn_sample(
+    rollout: Rollout, number: int, turn: Turn, tokens: list[int], logprobs: list[float], advantage: float
+) -> Sample:
+    return completion_sample(
+        turn.prompt,
+        tokens,
+        logprobs,
+        advantage=advantage,
+        reward=rollout.reward,
+        sample_id=f"{rollout.id}-t{number}",
+    )
+
+
+def turn_samples(rollout: Rollout, advantage: float, placeholder_id: int) -> list[Sample]:
+    """One sample per turn that generated trainable tokens: its prompt plus its completion."""
+    return [
+        _first_turn_sample(rollout, number, turn, tokens, logprobs, advantage)
+        for number, turn, tokens, logprobs in _trainable_turns(rollout, placeholder_id)
+    ]
 
 
 def branch_samples(rollout: Rollout, advantage: float, placeholder_id: int) -> list[Sample]:
@@ -179,24 +192,12 @@ def branch_samples(rollout: Rollout, advantage: float, placeholder_id: int) -> l
     forks a new branch. Loss is on every turn's sampled tokens, as in `turn_samples`.
     """
     branches: list[Sample] = []
-    for number, turn in enumerate(rollout.turns):
-        tokens, logprobs = trainable_completion(turn.generation, placeholder_id)
-        if not tokens:
-            continue
+    for number, turn, tokens, logprobs in _trainable_turns(rollout, placeholder_id):
         for index in reversed(range(len(branches))):
             extended = extend_sample(branches[index], turn.prompt, tokens, logprobs, advantage=advantage)
             if extended is not None:
                 branches[index] = extended
                 break
         else:
-            branches.append(
-                completion_sample(
-                    turn.prompt,
-                    tokens,
-                    logprobs,
-                    advantage=advantage,
-                    reward=rollout.reward,
-                    sample_id=f"{rollout.id}-t{number}",
-                )
-            )
+            branches.append(_first_turn_sample(rollout, number, turn, tokens, logprobs, advantage))
     return branches
