@@ -10,13 +10,14 @@ import hashlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import pytest
 from serve_harness import WEIGHTS_TOKEN, Server, generate, picture, user
 
 from rawmm.contract import RawImageDescriptor, encode_ref, get_family, parse_ref
+from rawmm.contract.families import Backend
 
 pytestmark = pytest.mark.slow
 
@@ -113,6 +114,13 @@ def under_another_modality(
     return ids, {key: {"vision_chunk": value["image"]} for key, value in feats.items()}
 
 
+def other_backends_fingerprint(server: Server) -> str:
+    """The processor fingerprint of the backend the server does not run (it runs the family's default)."""
+    family = get_family("qwen_vl")
+    other = next(backend for backend in get_args(Backend) if backend != family.default_backend)
+    return family.fingerprint(server.config, other)
+
+
 BAD_REFS: dict[str, Mutation] = {
     "malformed_ref": lambda s, ids, f: (ids, {**f, "kwargs_data": {"image": ["mmraw:{not json"]}}),
     "unknown_family": lambda s, ids, f: (ids, with_ref(f, family="llava")),
@@ -126,10 +134,7 @@ BAD_REFS: dict[str, Mutation] = {
     "unreadable_file": a_directory,
     "decode_error": junk_file,
     "image_too_large": too_large,
-    "fingerprint_mismatch": lambda s, ids, f: (
-        ids,
-        with_ref(f, fingerprint=get_family("qwen_vl").fingerprint(s.config, "torchvision")),
-    ),
+    "fingerprint_mismatch": lambda s, ids, f: (ids, with_ref(f, fingerprint=other_backends_fingerprint(s))),
     "grid_mismatch": lambda s, ids, f: (ids, with_ref(f, payload={"image_grid_thw": [[1, 2, 2]]})),
     "placeholder_mismatch": one_placeholder_short,
     "count_mismatch": lambda s, ids, f: (ids, {**f, "mm_hashes": {"image": f["mm_hashes"]["image"] * 2}}),
