@@ -155,6 +155,25 @@ def run(kube_cluster: KubeCluster, operator: Operator) -> Iterator[Run]:
     namespace = kube_cluster.namespace("op")
     yield Run(kube_cluster, namespace, operator)
     kube_cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+    # Then its pods at once (a terminating namespace takes no new ones), the Job pods' tracking finalizer
+    # included: the fake nodes finish them late, and until then they hold their node's GPUs for the
+    # scheduler, where a later test's pods would not fit beside them.
+    pods = kube_cluster.kubectl("get", "pods", "-n", namespace, "-o", "name").stdout.split()
+    for pod in pods:
+        kube_cluster.kubectl(
+            "patch",
+            pod,
+            "-n",
+            namespace,
+            "--type=merge",
+            "-p",
+            '{"metadata":{"finalizers":null}}',
+            check=False,
+        )
+    if pods:
+        kube_cluster.kubectl(
+            "delete", *pods, "-n", namespace, "--grace-period=0", "--force", "--wait=false", check=False
+        )
 
 
 def test_children_are_applied_server_side_drift_is_reverted_and_unbuilt_children_are_pruned(run: Run) -> None:
@@ -625,9 +644,28 @@ def test_a_ttl_deletes_a_finished_runs_children_but_keeps_the_run_and_its_volume
     assert run.status()["phase"] == "Succeeded"  # the RLRun stays
 
 
+def gpu_pods_outside(run: Run) -> list[str]:
+    """Pods of other namespaces that request GPUs, as namespace/name."""
+    pods = json.loads(run.cluster.kubectl("get", "pods", "-A", "-o", "json").stdout)["items"]
+    return [
+        f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+        for pod in pods
+        if pod["metadata"]["namespace"] != run.namespace
+        and any(
+            "nvidia.com/gpu" in (c.get("resources", {}).get("requests") or {})
+            for c in pod["spec"]["containers"]
+        )
+    ]
+
+
 def test_a_read_write_once_volume_puts_every_pod_on_one_node(run: Run) -> None:
     """The real scheduler places the run's first pod anywhere and the others beside it (the fake nodes
-    would otherwise spread them: three nodes, four pods)."""
+    would otherwise spread them: three nodes, four pods). Earlier tests' pods must be gone: one still holding
+    a node's GPUs leaves the first pod's node without room for the rest."""
+    try:
+        wait_for(lambda: not gpu_pods_outside(run), "earlier tests' GPU pods gone", TIMEOUT, 0.3)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}: {gpu_pods_outside(run)}") from None
     run.create({**SPEC, "offload": {**SPEC["offload"], "accessMode": "ReadWriteOnce"}})
     run.wait_running()
     pods = [p for component in ("engine", "orchestrator", "trainer") for p in run.running(component)]
