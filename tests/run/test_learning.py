@@ -26,11 +26,11 @@ from rawmm.run.report import REPORT_NAME, load_run
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "local-tiny-learning.yaml"
 SABOTAGE = Path(__file__).parent / "sabotage"
-STEPS = 12
-# Past the blind ceiling 0.25 by ~4 standard deviations of a 3-step mean (128 rollouts a step: ~0.038 per
-# step, ~0.022 over 3), and ~3 below where this run stands after 12 steps (0.39 over steps 10-12, measured):
-# a policy that learned nothing from the pixels stays within noise of 0.25 or below.
-PASS_MARK = 0.33
+STEPS = 20
+# More than twice the blind ceiling 0.25, ~15 standard deviations of a 3-step mean above it (128 rollouts a
+# step: ~0.038 per step, ~0.022 over 3), and 0.2 below where this run stands after 20 steps (0.80 over steps
+# 18-20, measured): a policy that learned nothing from the pixels stays within noise of 0.25 or below.
+PASS_MARK = 0.6
 
 
 def learning_config() -> RunConfig:

@@ -260,8 +260,14 @@ class OrchestratorConfig(StrictModel):
 
 
 class TrainerConfig(StrictModel):
-    steps: int = Field(default=2, ge=1, description="training steps (one rollout batch and checkpoint each)")
+    steps: int = Field(default=2, ge=1, description="training steps (one rollout batch each)")
     learning_rate: float = Field(default=1e-5, gt=0.0, description="AdamW's learning rate")
+    lr_warmup_steps: int = Field(
+        default=0,
+        ge=0,
+        description="the learning rate rises linearly to learningRate over the first N steps (step n trains "
+        "at n/N of it); 0: constant from the first step",
+    )
     seq_len: int = Field(
         default=2048, ge=1, description="a sample is truncated to this many tokens, keeping whole images"
     )

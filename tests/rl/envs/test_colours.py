@@ -87,6 +87,16 @@ def test_format_examples_are_well_formed_random_answers():
     assert all(r == " " + reply_colour(r) for r in replies)
 
 
+def test_one_word_pays_the_colour_alone_and_keeps_the_ceiling():
+    """The run's `one_word: true`: a reply pays only when it is the colour's name alone."""
+    env = ColoursEnvironment(colours=4, one_word=True)
+    answer = env.episode(3).answers[0]
+    for reply, reward in [(f" {answer}", 1.0), (f" {answer.title()}.", 1.0), (f" {answer} {answer}", 0.0),
+                          (f" {answer} is it", 0.0), ("", 0.0)]:  # fmt: skip
+        assert env.episode(3).step(reply).reward == reward, reply
+    assert env.blind_ceiling == 0.25
+
+
 @pytest.mark.parametrize("args", [{"colours": 1}, {"colours": 99}, {"turns": 0}, {"image_size": 10}])
 def test_bad_arguments_are_refused(args):
     with pytest.raises(ValueError):

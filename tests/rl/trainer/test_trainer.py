@@ -10,7 +10,7 @@ from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from rawmm.contract.shared_dir import checkpoint_dir, latest_step
 from rawmm.rl.trainer.distributed import init_distributed
-from rawmm.rl.trainer.loop import Trainer
+from rawmm.rl.trainer.loop import Trainer, learning_rate_at
 from rawmm.rl.trainer.materializer import MissingImageError
 from rawmm.rl.trainer.precision import compute_dtype
 
@@ -154,3 +154,11 @@ def test_a_tiny_max_grad_norm_bounds_the_weight_update_as_the_clip_implies(rollo
     assert result.grad_norm > 1e3 * eps  # the clip binds (the report is the norm before clipping)
     # Unclipped, the step would move each weight that has a gradient by about lr: hundreds of lr in norm.
     assert 0.5 * lr <= float(update.norm()) <= 1.01 * lr  # 1%: float32 rounding of the weights
+
+
+def test_the_learning_rate_warms_up_linearly_then_holds():
+    """The run's `trainer.lr_warmup_steps`: step n of N trains at n/N of the rate, then at the rate."""
+    assert [learning_rate_at(step, 3e-3, 5) for step in range(1, 8)] == pytest.approx(
+        [6e-4, 1.2e-3, 1.8e-3, 2.4e-3, 3e-3, 3e-3, 3e-3]
+    )
+    assert learning_rate_at(1, 3e-3, 0) == 3e-3

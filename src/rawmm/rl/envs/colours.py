@@ -9,7 +9,11 @@ cache's workload). Each turn pays 1/turns for the right colour, so a rollout ear
 blind ceiling stays 1/K for any number of turns.
 
 The expected reply is the colour's name alone (`red`); `format_example` gives a well-formed reply with a
-random colour, for a supervised warm-up on the format that leaves the policy at the blind ceiling.
+random colour, for a supervised warm-up on the format that leaves the policy at the blind ceiling. By default
+a reply's first word is its answer; with `one_word` a reply of more than one word scores 0, as the question
+asks for one word: the format then stays part of the reward (measured on the tiny learning run: scored on
+the first word alone, the policy stopped ending its replies after the colour by step 10, `green green
+green`, and the tokens after the answer, credited with its advantage, slowed learning to 0.62 at step 45).
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ _QUESTION = "What colour is this image? Answer with one word."
 _NEXT = "And this one?"
 
 
+def reply_words(reply: str) -> list[str]:
+    """The reply's words, lower case, without surrounding punctuation (empty words dropped)."""
+    words = (word.strip(".,;:!?\"'`()[]{}<>").lower() for word in reply.split())
+    return [word for word in words if word]
+
+
 def reply_colour(reply: str) -> str:
     """The reply's first word, lower case, without surrounding punctuation."""
     words = reply.split()
@@ -43,11 +53,18 @@ def reply_colour(reply: str) -> str:
 
 class ColoursEpisode(Episode):
     def __init__(
-        self, seed: int, names: tuple[str, ...], image_size: int, turns: int, constant: bool
+        self,
+        seed: int,
+        names: tuple[str, ...],
+        image_size: int,
+        turns: int,
+        constant: bool,
+        one_word: bool = False,
     ) -> None:
         rng = random.Random(seed)
         self.answers = [rng.choice(names) for _ in range(turns)]
         self._image_size, self._turn, self._constant = image_size, 0, constant
+        self._one_word = one_word
         self._outcomes: list[tuple[str, float]] = []
 
     def _show(self, text: str) -> Message:
@@ -66,7 +83,10 @@ class ColoursEpisode(Episode):
 
     def step(self, reply: str) -> StepResult:
         answer = self.answers[self._turn]
-        correct = float(reply_colour(reply) == answer)
+        if self._one_word:
+            correct = float(reply_words(reply) == [answer])
+        else:
+            correct = float(reply_colour(reply) == answer)
         self._outcomes.append((answer, correct))
         reward = correct / len(self.answers)
         self._turn += 1
@@ -79,16 +99,23 @@ class ColoursEnvironment(Environment):
     """One flat image per turn, `colours` possible colours (K), `turns` turns; blind ceiling 1/K.
 
     `constant_image: true` is the control: every image is the same grey whatever the answer, so no policy
-    can beat the blind ceiling (what a run learns beyond it must come from the pixels).
+    can beat the blind ceiling (what a run learns beyond it must come from the pixels). `one_word: true`
+    scores a reply only when it is the colour's name alone (module doc).
     """
 
     def __init__(
-        self, colours: int = 4, image_size: int = 56, turns: int = 1, constant_image: bool = False
+        self,
+        colours: int = 4,
+        image_size: int = 56,
+        turns: int = 1,
+        constant_image: bool = False,
+        one_word: bool = False,
     ) -> None:
         if not 2 <= colours <= len(PALETTE) or image_size < 28 or turns < 1:
             raise ValueError(f"need 2 <= colours <= {len(PALETTE)}, image_size >= 28 and turns >= 1")
         self.names = tuple(PALETTE)[:colours]
         self.image_size, self.turns, self.constant_image = image_size, turns, constant_image
+        self.one_word = one_word
 
     @property
     def blind_ceiling(self) -> float:
@@ -96,7 +123,9 @@ class ColoursEnvironment(Environment):
         return 1.0 / len(self.names)
 
     def episode(self, seed: int) -> ColoursEpisode:
-        return ColoursEpisode(seed, self.names, self.image_size, self.turns, self.constant_image)
+        return ColoursEpisode(
+            seed, self.names, self.image_size, self.turns, self.constant_image, self.one_word
+        )
 
     def format_example(self, rng: random.Random) -> str:
         """A well-formed reply with a colour drawn at random, whatever the image shows. With a leading space:
