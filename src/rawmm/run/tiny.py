@@ -229,9 +229,7 @@ def build_tiny_model(
         raise ValueError(f"tiny models exist for presets {TINY_PRESETS}, not {preset!r}")
     if preset == "kimi_k25":
         return _build_tiny_kimi(out, seed, max_pixels=max_pixels, gpu_shape=gpu_shape)
-    import torch
     from transformers import (
-        GenerationConfig,
         Qwen2VLForConditionalGeneration,
         Qwen2VLProcessor,
         Qwen3VLForConditionalGeneration,
@@ -252,9 +250,6 @@ def build_tiny_model(
     config = _model_config(preset, tokenizer, image, GPU_SHAPE if gpu_shape else CPU_SHAPE)
     model_class = Qwen2VLForConditionalGeneration if preset == "qwen2_vl" else Qwen3VLForConditionalGeneration
     processor_class = Qwen2VLProcessor if preset == "qwen2_vl" else Qwen3VLProcessor
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_class(config).float().eval()
     image_processor = qwen_image_processor(dataclasses.replace(image, max_pixels=max_pixels), backend="pil")
     # Processors need a video processor to load; rawmm sends no video, so it just mirrors the patch layout.
     video_class = Qwen2VLVideoProcessor if preset == "qwen2_vl" else Qwen3VLVideoProcessor
@@ -265,16 +260,39 @@ def build_tiny_model(
         image_mean=list(image.image_mean),
         image_std=list(image.image_std),
     )
+    model, processor, generation = assemble_parts(
+        model_class, config, seed, processor_class, image_processor, video_processor, tokenizer, CHAT_TEMPLATE
+    )
+    return _write(out, model, generation, processor)
+
+
+def assemble_parts(
+    model_class: Any,
+    config: Any,
+    seed: int,
+    processor_class: Any,
+    image_processor: Any,
+    video_processor: Any,
+    tokenizer: Any,
+    chat_template: str,
+) -> tuple[Any, Any, Any]:
+    """A tiny checkpoint's random-weight model (seeded by ``seed``, the global RNG left as it was), its
+    processor and its generation config (the text config's end and pad tokens), for every family."""
+    import torch
+    from transformers import GenerationConfig
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config).float().eval()
     processor = processor_class(
         image_processor=image_processor,
         tokenizer=tokenizer,
         video_processor=video_processor,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
-    generation = GenerationConfig(
-        eos_token_id=config.text_config.eos_token_id, pad_token_id=config.text_config.pad_token_id
-    )
-    return _write(out, model, generation, processor)
+    text = config.text_config
+    generation = GenerationConfig(eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id)
+    return model, processor, generation
 
 
 def _build_tiny_kimi(out: Path, seed: int, *, max_pixels: int | None, gpu_shape: bool) -> Path:

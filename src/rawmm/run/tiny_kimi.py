@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from rawmm.contract.families import KimiK25Config
+from rawmm.run.tiny import assemble_parts
 
 SPECIAL_TOKENS: tuple[str, ...] = (
     "[BOS]",
@@ -158,9 +159,7 @@ def model_config(tokenizer: Any, image: KimiK25Config, *, gpu_shape: bool) -> An
 
 def build_parts(tokenizer: Any, max_tokens: int, *, gpu_shape: bool, seed: int) -> tuple[Any, Any, Any]:
     """The model, the processor (tokenizer + transformers' image processor) and the generation config."""
-    import torch
     from transformers import (
-        GenerationConfig,
         Kimi_K25ForConditionalGeneration,
         Kimi_K25ImageProcessor,
         Kimi_K25Processor,
@@ -168,36 +167,28 @@ def build_parts(tokenizer: Any, max_tokens: int, *, gpu_shape: bool, seed: int) 
     )
 
     image = image_config(max_tokens)
-    config = model_config(tokenizer, image, gpu_shape=gpu_shape)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Kimi_K25ForConditionalGeneration(config).float().eval()
     side = image.patch_limit_on_one_side
-    image_processor = Kimi_K25ImageProcessor(
-        size={"max_height": side, "max_width": side},
-        max_patches=image.in_patch_limit,
-        patch_size=image.patch_size,
-        merge_size=image.merge_size,
-        image_mean=list(image.image_mean),
-        image_std=list(image.image_std),
-    )
+    layout = {
+        "size": {"max_height": side, "max_width": side},
+        "max_patches": image.in_patch_limit,
+        "patch_size": image.patch_size,
+        "merge_size": image.merge_size,
+        "image_mean": list(image.image_mean),
+        "image_std": list(image.image_std),
+    }
+    image_processor = Kimi_K25ImageProcessor(**layout)
     # rawmm and vLLM read the published media_proc_cfg; it is saved with the image processor's keys.
     setattr(image_processor, "media_proc_cfg", media_proc_cfg(image))  # noqa: B010 (no such attribute in its type)
     # Processors need a video processor to load; rawmm sends no video, so it just mirrors the patch layout.
-    video_processor = Kimi_K25VideoProcessor(
-        size={"max_height": side, "max_width": side},
-        max_patches=image.in_patch_limit,
-        patch_size=image.patch_size,
-        merge_size=image.merge_size,
-        image_mean=list(image.image_mean),
-        image_std=list(image.image_std),
+    video_processor = Kimi_K25VideoProcessor(**layout)
+    config = model_config(tokenizer, image, gpu_shape=gpu_shape)
+    return assemble_parts(
+        Kimi_K25ForConditionalGeneration,
+        config,
+        seed,
+        Kimi_K25Processor,
+        image_processor,
+        video_processor,
+        tokenizer,
+        CHAT_TEMPLATE,
     )
-    processor = Kimi_K25Processor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        video_processor=video_processor,
-        chat_template=CHAT_TEMPLATE,
-    )
-    text = config.text_config
-    generation = GenerationConfig(eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id)
-    return model, processor, generation

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rawmm.run.report.data import RunRecord, StepRow
 
@@ -86,15 +86,37 @@ def reward_by_label(record: RunRecord, path: Path) -> Path:
     return _save(fig, path)
 
 
-def loss_and_grad_norm(record: RunRecord, path: Path) -> Path:
+class _Curve(NamedTuple):
+    """One quantity per step on one y axis of a two-scale figure."""
+
+    value: Callable[[StepRow], float | None]
+    label: str
+    axis_label: str
+    colour: str
+
+
+def _plot_curve(ax: Any, record: RunRecord, curve: _Curve, marker: str) -> None:
+    steps, values = _series(record.steps, curve.value)
+    ax.plot(steps, values, marker=marker, markersize=3, color=curve.colour, label=curve.label)
+    ax.set_ylabel(curve.axis_label, color=curve.colour)
+
+
+def _two_scales(record: RunRecord, left: _Curve, right: _Curve) -> tuple[Any, Any, Any]:
+    """A figure of two quantities of different scales per step: `left` on the left axis, `right` on a
+    second y axis; returns the figure and both axes."""
     fig, ax = _figure()
-    steps, values = _series(record.steps, lambda r: r.loss)
-    ax.plot(steps, values, marker="o", markersize=3, color="tab:blue", label="loss")
-    ax.set_ylabel("loss", color="tab:blue")
-    right = ax.twinx()
-    steps, values = _series(record.steps, lambda r: r.grad_norm)
-    right.plot(steps, values, marker="s", markersize=3, color="tab:orange", label="grad norm (before clip)")
-    right.set_ylabel("grad norm (before clipping)", color="tab:orange")
+    _plot_curve(ax, record, left, "o")
+    twin = ax.twinx()
+    _plot_curve(twin, record, right, "s")
+    return fig, ax, twin
+
+
+def loss_and_grad_norm(record: RunRecord, path: Path) -> Path:
+    fig, ax, right = _two_scales(
+        record,
+        _Curve(lambda r: r.loss, "loss", "loss", "tab:blue"),
+        _Curve(lambda r: r.grad_norm, "grad norm (before clip)", "grad norm (before clipping)", "tab:orange"),
+    )
     right.set_ylim(bottom=0)
     ax.set_title("Policy-gradient loss and gradient norm")
     _integer_steps(ax)
@@ -102,14 +124,11 @@ def loss_and_grad_norm(record: RunRecord, path: Path) -> Path:
 
 
 def logprob_mismatch(record: RunRecord, path: Path) -> Path:
-    fig, ax = _figure()
-    steps, values = _series(record.steps, lambda r: r.logprob_diff_mean)
-    ax.plot(steps, values, marker="o", markersize=3, color="tab:purple", label="mean |Δ logprob|")
-    ax.set_ylabel("mean |Δ logprob|", color="tab:purple")
-    right = ax.twinx()
-    steps, values = _series(record.steps, lambda r: r.logprob_kl_mean)
-    right.plot(steps, values, marker="s", markersize=3, color="tab:green", label="KL estimate (k3)")
-    right.set_ylabel("KL(engine ‖ trainer), k3", color="tab:green")
+    fig, ax, right = _two_scales(
+        record,
+        _Curve(lambda r: r.logprob_diff_mean, "mean |Δ logprob|", "mean |Δ logprob|", "tab:purple"),
+        _Curve(lambda r: r.logprob_kl_mean, "KL estimate (k3)", "KL(engine ‖ trainer), k3", "tab:green"),
+    )
     for axis in (ax, right):
         axis.set_ylim(bottom=0)
         axis.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
