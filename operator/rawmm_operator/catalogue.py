@@ -3,7 +3,7 @@ status treat it. `reconcile.py` iterates this table to build, apply, prune and o
 adding a child is one entry here (and a builder in `rawmm_operator.children`).
 
 A run goes through three stages (`Stage`): active; finished (Succeeded or Failed: its engines stay at 0
-replicas, releasing their accelerators, and its Jobs stay, suspended, for their logs); expired
+replicas, releasing their accelerators, and its Jobs' pods stay, stopped in place, for their logs); expired
 (`ttlSecondsAfterFinished` passed: only its volume stays).
 """
 

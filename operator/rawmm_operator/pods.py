@@ -224,12 +224,19 @@ def job(
     container_name = pod["containers"][0]["name"]
     body: dict[str, Any] = {
         # An eviction (drain, preemption, spot reclaim) is not the process's fault: the Job replaces the pod
-        # and the new one resumes from the latest checkpoint. A non-zero exit fails the Job (and the run)
-        # with its reason in the status; nothing retries silently.
-        "backoffLimit": 0,
+        # and the new one resumes from the latest checkpoint. A process killed by SIGKILL (137: the OOM
+        # killer, a crashed node agent, `kill -9`) is replaced too, `KILLED_RETRIES` times at most, as the
+        # retryable signal exits of Kubeflow's ExitCode policy. Any other non-zero exit fails the Job (and
+        # the run) with its reason in the status. SIGTERM (143, the operator stopping a failed run's other
+        # pods) is a failure: a stopped pod is never replaced.
+        "backoffLimit": KILLED_RETRIES,
         "podFailurePolicy": {
             "rules": [
                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                {
+                    "action": "Count",
+                    "onExitCodes": {"containerName": container_name, "operator": "In", "values": [137]},
+                },
                 {
                     "action": "FailJob",
                     "onExitCodes": {"containerName": container_name, "operator": "NotIn", "values": [0]},
@@ -267,6 +274,18 @@ def job_suspend(built: Manifest, live: dict[str, Any]) -> bool:
     if _annotation(live, RUN_SUSPEND) != _annotation(built, RUN_SUSPEND):
         return bool(built["spec"]["suspend"])
     return bool((live.get("spec") or {}).get("suspend"))
+
+
+# How many times a Job's pod killed by SIGKILL is replaced (each resumes from the latest checkpoint).
+KILLED_RETRIES = 2
+
+
+def job_failed(job: dict[str, Any]) -> bool:
+    """Whether the live Job failed."""
+    return any(
+        c.get("type") == "Failed" and c.get("status") == "True"
+        for c in (job.get("status") or {}).get("conditions") or []
+    )
 
 
 def job_finished(job: dict[str, Any]) -> bool:

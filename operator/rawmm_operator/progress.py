@@ -99,7 +99,11 @@ class ProgressReader:
                 continue  # a pod that is starting or going away: the next pass tries again
         return results
 
-    def read(self, namespace: str, run: str, previous: Progress) -> Progress:
+    def read(self, namespace: str, run: str, previous: Progress, *, last: bool = False) -> Progress:
+        """The run's progress: the trainer step, and the hit rate of the engines' lookups since the read
+        before (counters that only ever grew before it are not this run's recent behaviour). `last`, the read
+        as the run ends: with no read before it that saw the engines (a short run ends between two reads),
+        the rate of every lookup they counted."""
         pods = self.api.list("Pod", namespace, {RUN_LABEL: run})
         by_component: dict[str, list[str]] = {ENGINE_COMPONENT: [], TRAINER_COMPONENT: [], GC_COMPONENT: []}
         for pod in pods:
@@ -126,6 +130,8 @@ class ProgressReader:
             now = _Lookups(hits, lookups)
             before = self._last.get((namespace, run))
             self._last[(namespace, run)] = now
+            if before is None and last:
+                before = _Lookups(0.0, 0.0)
             if before is not None:
                 delta = _Lookups(now.hits - before.hits, now.lookups - before.lookups)
                 if delta.hits < 0 or delta.lookups < 0:  # an engine restarted: its counters began again

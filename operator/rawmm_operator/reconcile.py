@@ -23,12 +23,16 @@ from rawmm_operator import catalogue
 from rawmm_operator.catalogue import Built, Stage
 from rawmm_operator.children.monitoring import DEFAULT_POD_MONITOR, PodMonitorSettings
 from rawmm_operator.kube import ApiError, KubeApi, apply, merge_patch
+from rawmm_operator.names import child_name
 from rawmm_operator.objects import RUN_LABEL, RunRef, owned_by, run_ref
-from rawmm_operator.pods import job_finished, job_suspend, template_changed
+from rawmm_operator.pods import job_failed, job_finished, job_suspend, template_changed
 from rawmm_operator.progress import ProgressReader
 from rawmm_operator.spec import KIND, InvalidSpec, RLRunSpec, parse_spec
 from rawmm_operator.status import (
+    FINISH_GRACE_ANNOTATION,
+    FINISH_GRACE_SECONDS,
     INVALID_SPEC,
+    STOP_DEADLINE_SECONDS,
     TERMINAL_PHASES,
     Applying,
     Observed,
@@ -131,14 +135,15 @@ class Reconciler:
         self._created = {key for key in self._created if key[:2] != (namespace, name)}
         self._removed = {key for key in self._removed if key[:2] != (namespace, name)}
 
-    def _read_progress(self, run: RunRef, previous: RLRunStatus) -> Progress | None:
+    def _read_progress(self, run: RunRef, previous: RLRunStatus, *, last: bool = False) -> Progress | None:
+        """What the run's pods report, at most once per `progress_interval` unless it is the `last` read."""
         key = (run.namespace, run.name)
         moment = time.monotonic()
-        if moment - self._last_progress.get(key, -math.inf) < self.progress_interval:
+        if not last and moment - self._last_progress.get(key, -math.inf) < self.progress_interval:
             return None
         self._last_progress[key] = moment
         return self.progress.read(
-            run.namespace, run.name, Progress(previous.trainer_step, previous.cache_hit_rate)
+            run.namespace, run.name, Progress(previous.trainer_step, previous.cache_hit_rate), last=last
         )
 
     def reconcile(self, namespace: str, name: str) -> Outcome | None:
@@ -227,6 +232,10 @@ class Reconciler:
 
         ended = run_ended(observed=observed(), previous=previous, deadline_exceeded=exceeded)
         stage = stage_of(spec, ended, previous, now)
+        # The pass that ends the run reads its pods once more before it scales the engines down: a short run
+        # can end between two reads, and its status would keep the counters of the one before.
+        final = ended and previous.phase not in TERMINAL_PHASES
+        last_progress = self._read_progress(run, previous, last=True) if final else None
         outcome = Outcome(body, previous, [])  # its status and transitions once derived, below
         self._create_once(run, spec, stage, outcome)
         built = catalogue.build(run, spec, stage=stage, pod_monitor=self.pod_monitor)
@@ -248,7 +257,8 @@ class Reconciler:
             observed=observed(),
             previous=previous,
             now=now,
-            progress=self._read_progress(run, previous) if stage == "active" else None,
+            progress=last_progress or (self._read_progress(run, previous) if stage == "active" else None),
+            steps=spec.trainer.steps,
             applying=outcome.applying,
             deadline_exceeded=exceeded,
         )
@@ -318,15 +328,43 @@ class Reconciler:
         return "deleted"
 
     def _release(self, run: RunRef, kind: str, outcome: Outcome) -> None:
-        """A finished run's surviving Jobs (the trainer failed, the orchestrator still waits, the offload
-        GC watches), every one of the run's, are suspended: their pods go, they stay for their logs and
-        counts."""
-        for job in self.api.list(kind, run.namespace, {RUN_LABEL: run.name}):
-            if not owned_by(job, run) or job_finished(job) or (job.get("spec") or {}).get("suspend"):
+        """A finished run's surviving Jobs (the trainer failed, the orchestrator still waits or makes its last
+        weights sync, the offload GC watches), every one of the run's. Their running pods are never deleted
+        (suspending a Job would, and the logs of what the other roles saw with them): each gets an active
+        deadline, which its kubelet acts on, stopping the pod in place with its logs. After a failure the
+        deadline has passed already (the Job then fails: backoffLimit 0); after a success it leaves the pod
+        `FINISH_GRACE_SECONDS` to end on its own. Only a Job with no started pod is suspended."""
+        jobs = [
+            job for job in self.api.list(kind, run.namespace, {RUN_LABEL: run.name}) if owned_by(job, run)
+        ]
+        trainer = child_name(run.name, "trainer")
+        failure = not any(
+            job["metadata"]["name"] == trainer and job_finished(job) and not job_failed(job) for job in jobs
+        )
+        pods = self.api.list("Pod", run.namespace, {RUN_LABEL: run.name})
+        now = utc_now()
+        for job in jobs:
+            if job_finished(job) or (job.get("spec") or {}).get("suspend"):
                 continue
             name = job["metadata"]["name"]
-            self.api.patch(kind, run.namespace, name, {"spec": {"suspend": True}})
-            outcome.actions[f"{kind}/{name}"] = "suspended"
+            started = [p for p in _pods_of(job, pods) if (p.get("status") or {}).get("startTime")]
+            if not started:
+                self.api.patch(kind, run.namespace, name, {"spec": {"suspend": True}})
+                outcome.actions[f"{kind}/{name}"] = "suspended"
+                continue
+            for pod in started:
+                if _pod_ended(pod) or (pod.get("spec") or {}).get("activeDeadlineSeconds") is not None:
+                    continue  # a pod's deadline may only come closer: the first one set stands
+                if failure:
+                    stop: dict[str, Any] = {"spec": {"activeDeadlineSeconds": STOP_DEADLINE_SECONDS}}
+                else:  # its age so far (never below 0, whatever the clocks say), plus the grace
+                    age = max(int(seconds_between(pod["status"]["startTime"], now)), 0)
+                    stop = {
+                        "metadata": {"annotations": {FINISH_GRACE_ANNOTATION: str(FINISH_GRACE_SECONDS)}},
+                        "spec": {"activeDeadlineSeconds": age + FINISH_GRACE_SECONDS},
+                    }
+                self.api.patch("Pod", run.namespace, pod["metadata"]["name"], stop)
+                outcome.actions[f"{kind}/{name}"] = "stopped" if failure else "finishing"
 
     def _remove_once(self, run: RunRef, spec: RLRunSpec, stage: Stage) -> None:
         """Delete, by name (the operator may not list Secrets), the created-once children of a run that
@@ -342,7 +380,7 @@ class Reconciler:
 
     def _prune(self, run: RunRef, stage: Stage, built: set[tuple[str, str]], outcome: Outcome) -> None:
         """Delete the run's children of the pruned kinds that are no longer built (a finished run's Jobs
-        stay, suspended, for their logs)."""
+        stay, with their pods' logs)."""
         for kind in catalogue.pruned_kinds(stage, self.pod_monitor):
             try:
                 children = self.api.list(kind, run.namespace, {RUN_LABEL: run.name})
@@ -385,6 +423,12 @@ def _claim_conflict(
     )
 
 
+def _pod_ended(pod: dict[str, Any]) -> bool:
+    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed") or bool(
+        (pod.get("metadata") or {}).get("deletionTimestamp")
+    )
+
+
 def _pods_of(owner: dict[str, Any] | None, pods: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
     """The pods `owner` (a Job, the StatefulSet) controls: a replaced Job's last pods are not the new one's."""
     uid = ((owner or {}).get("metadata") or {}).get("uid")
@@ -405,6 +449,8 @@ def _child_transitions(actions: dict[str, str]) -> list[Transition]:
         ("patched", "ChildrenUpdated"),
         ("deleted", "ChildrenDeleted"),
         ("suspended", "JobsSuspended"),
+        ("stopped", "JobsStopped"),
+        ("finishing", "JobsFinishing"),
     ):
         children = [child for child, done in actions.items() if done == action]
         if children:

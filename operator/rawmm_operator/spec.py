@@ -353,10 +353,13 @@ class InferenceSpec(PodSettings, InferenceSettings):
     model_config = CAMEL
     rules = (
         *PodSettings.rules,
+        # The default inference image is vLLM's CUDA build; vLLM on CPUs runs from an image of its CPU build
+        # (docs/cluster.md: the CPU inference image), which the run names.
         Rule(
-            cel="self.engine != 'vllm' || self.gpus >= 1",
-            message="the vllm engine needs gpus >= 1 (use engine: transformers for CPU-only engines)",
-            holds=lambda s: s.engine != "vllm" or s.gpus >= 1,
+            cel="self.engine != 'vllm' || self.gpus >= 1 || (has(self.image) && self.image != '')",
+            message="the vllm engine needs gpus >= 1, or an image of vLLM's CPU build in inference.image "
+            "(use engine: transformers for CPU-only engines)",
+            holds=lambda s: s.engine != "vllm" or s.gpus >= 1 or bool(s.image),
         ),
         Rule(
             # extraArgs has no schema default: absent on the stored object unless the user wrote it.

@@ -54,7 +54,9 @@ class ReplicaSummary(StatusModel):
 
 
 class JobSummary(StatusModel):
-    state: Literal["NotCreated", "Pending", "Running", "Suspended", "Succeeded", "Failed"] = "NotCreated"
+    state: Literal["NotCreated", "Pending", "Running", "Suspended", "Stopped", "Succeeded", "Failed"] = (
+        "NotCreated"
+    )
     active: int = 0
     succeeded: int = 0
     failed: int = 0
@@ -173,6 +175,27 @@ def pod_problem(pods: Pods) -> tuple[str, str] | None:
     return None
 
 
+# The active deadline the operator gives a failed run's surviving pods so their kubelet stops them in place
+# (their logs stay): 1 s from their start, already past. Pod templates never carry one, so a pod with it was
+# stopped by the operator.
+STOP_DEADLINE_SECONDS = 1
+# After a success, what a surviving pod (the orchestrator telling the engines about the last checkpoint, the
+# offload GC's last pass) gets to finish on its own before its kubelet stops it; it keeps its logs either way.
+FINISH_GRACE_SECONDS = 120
+# Marks a pod given that grace: should its kubelet stop it at the deadline, the failure is the operator's.
+FINISH_GRACE_ANNOTATION = "rawmm.dev/finish-grace-seconds"
+
+
+def stopped_by_operator(pods: Pods) -> bool:
+    return any((pod.get("spec") or {}).get("activeDeadlineSeconds") == STOP_DEADLINE_SECONDS for pod in pods)
+
+
+def given_grace(pods: Pods) -> bool:
+    return any(
+        FINISH_GRACE_ANNOTATION in ((pod.get("metadata") or {}).get("annotations") or {}) for pod in pods
+    )
+
+
 def _pods_in(pods: Pods, *phases: str) -> int:
     """How many of `pods` are in one of `phases` (a pod being deleted counts in none)."""
     return sum(
@@ -197,10 +220,14 @@ def job_summary(job: dict[str, Any] | None, pods: Pods = ()) -> tuple[JobSummary
         for c in status.get("conditions") or []
         if c.get("status") == "True"
     }
+    if stopped_by_operator(pods):  # its own outcome (a failure, once its pods are stopped) is ours, not its
+        return JobSummary(state="Stopped", **counts), "Stopped", "stopped"
     # The Job controller says FailureTarget / SuccessCriteriaMet first, Failed / Complete once its pods are
     # gone: the outcome is known at the first (a finished run never goes back to waiting in between).
     for condition in ("Failed", "FailureTarget"):
         if condition in true_conditions:
+            if given_grace(pods):  # still running when its grace ran out: stopped by the operator
+                return JobSummary(state="Stopped", **counts), "Stopped", "stopped"
             return (
                 JobSummary(state="Failed", **counts),
                 "Failed",
@@ -299,9 +326,10 @@ def derive_status(
     progress: Progress | None = None,
     applying: Applying = Applying(),
     deadline_exceeded: bool = False,
+    steps: int | None = None,
 ) -> RLRunStatus:
     """The whole status from the observed children (and, when given, what the pods reported; else
-    the previous values). Terminal phases stick; transition times are kept for conditions whose
+    the previous values; a trainer that succeeded finished all `steps`). Terminal phases stick; transition times are kept for conditions whose
     status did not change. A rejected child is a condition, never a failed run."""
     progress = progress or Progress(previous.trainer_step, previous.cache_hit_rate)
     # The volume's usage: as the GC process reported it now, else as the previous status had it.
@@ -360,10 +388,15 @@ def derive_status(
         orchestrator, orchestrator_message, trainer, trainer_message, deadline_exceeded
     )
     if failed.ok or succeeded or _sticky(previous):
-        # The operator itself suspends a finished run's surviving Jobs (releasing their pods).
-        stopped = f"suspended by the operator: the run {'failed' if failed.ok else 'ended'}"
-        orchestrator_message = stopped if orchestrator.state == "Suspended" else orchestrator_message
-        trainer_message = stopped if trainer.state == "Suspended" else trainer_message
+        # The operator itself stops (after a failure: pods kept for their logs) or suspends (their pods
+        # released) a finished run's surviving Jobs.
+        ended = f"the run {'failed' if failed.ok else 'ended'}"
+        messages = {
+            "Suspended": f"suspended by the operator: {ended}",
+            "Stopped": f"stopped by the operator: {ended}; its pods are kept for their logs",
+        }
+        orchestrator_message = messages.get(orchestrator.state, orchestrator_message)
+        trainer_message = messages.get(trainer.state, trainer_message)
     elif not suspend:
         # Suspended by someone else: a queue (Kueue) admits the Job by unsuspending it; the operator waits.
         external = "suspended by another controller: waiting for admission (e.g. a Kueue queue)"
@@ -403,7 +436,8 @@ def derive_status(
         engines=engines,
         orchestrator=orchestrator,
         trainer=trainer,
-        trainer_step=progress.trainer_step,
+        # The trainer exits 0 only after its last step; its pod, gone by then, may not have been read since.
+        trainer_step=steps if succeeded and steps is not None else progress.trainer_step,
         cache_hit_rate=progress.cache_hit_rate,
         start_time=previous.start_time or now,
         completion_time=previous.completion_time or (now if phase in TERMINAL_PHASES else None),

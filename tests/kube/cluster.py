@@ -40,7 +40,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -276,12 +276,13 @@ class KubeCluster:
     processes: list[Process] = field(default_factory=list)
     network: NodeNetwork | None = None  # the real node's namespaces, when the cluster can have one
     node_processes: list[Process] = field(default_factory=list)
+    imported: set[str] = field(default_factory=set)  # the built rawmm images in the node's containerd
     _names: Iterator[int] = field(default_factory=lambda: iter(range(1, 1 << 30)))
 
-    def start_node(self, timeout: float = 180) -> None:
+    def start_node(self, timeout: float = 180, names: Iterable[str] | None = None) -> None:
         """Start the real node (tests/kube/node.py) in the cluster's node namespaces, once: containerd with
-        the images made here imported, the kubelet, kube-proxy and CoreDNS; return when the node is Ready
-        and cluster DNS answers."""
+        the images made here imported (of the built rawmm ones, `names`: default `NODE_START_IMAGES`), the
+        kubelet, kube-proxy and CoreDNS; return when the node is Ready and cluster DNS answers."""
         if self.node_processes:
             return
         if self.network is None:
@@ -346,9 +347,9 @@ class KubeCluster:
         )
         # and the rawmm images `make images` built (.tools/images/rawmm-*.tar), under their published names
         node.import_images(
-            network,
-            [images.pause_archive(root / "images"), images.busybox_archive(root / "images"), *images.built()],
+            network, [images.pause_archive(root / "images"), images.busybox_archive(root / "images")]
         )
+        self.import_images(*(images.NODE_START_IMAGES if names is None else names))
         network.make_cgroups()
         start(
             "kubelet",
@@ -381,6 +382,21 @@ class KubeCluster:
         node.wait_http(
             f"http://{network.node_ip}:{ready_port}/ready", "CoreDNS ready", alive, timeout=timeout
         )
+
+    def import_images(self, *names: str) -> None:
+        """Import the built rawmm images of `names` into the node's containerd (once each), under their
+        published names (`ghcr.io/rawmm/rawmm-<name>:<version>`)."""
+        from kube import images
+
+        if self.network is None:
+            raise RuntimeError("this cluster has no node network (it needs root and `make tools`)")
+        wanted = [name for name in names if name not in self.imported]
+        archives = images.built(wanted)
+        if len(archives) != len(wanted):
+            absent = sorted(set(wanted) - {path.stem.removeprefix("rawmm-") for path in archives})
+            raise RuntimeError(f"not built: {absent}: run `make images`")
+        node.import_images(self.network, archives)
+        self.imported.update(wanted)
 
     @property
     def ca_file(self) -> Path:
@@ -550,7 +566,9 @@ def _cluster_objects() -> str:
 
 class Provisioner:
     """Binds every claim of the test StorageClass to a new hostPath PV made for it, as an external
-    provisioner would (the PV controller then binds the pair). Nothing mounts the volumes."""
+    provisioner would (the PV controller then binds the pair). Pods on the real node mount them: the
+    directory is made world-writable, as local-path-provisioner makes its own (fsGroup does not apply to
+    hostPath volumes, and the run's pods are uid 1000)."""
 
     def __init__(self, api: k8s.ApiClient, root: Path) -> None:
         self.core = k8s.CoreV1Api(api)
@@ -581,6 +599,9 @@ class Provisioner:
 
     def _provision(self, claim: k8s.V1PersistentVolumeClaim) -> None:
         name = f"pvc-{claim.metadata.uid}"
+        directory = self.root / name
+        directory.mkdir(parents=True, exist_ok=True)
+        directory.chmod(0o777)
         body = {
             "metadata": {"name": name, "annotations": {"pv.kubernetes.io/provisioned-by": PROVISIONER}},
             "spec": {
@@ -588,7 +609,7 @@ class Provisioner:
                 "accessModes": claim.spec.access_modes,
                 "storageClassName": STORAGE_CLASS,
                 "persistentVolumeReclaimPolicy": "Retain",
-                "hostPath": {"path": str(self.root / name)},
+                "hostPath": {"path": str(directory)},
                 "claimRef": {
                     "namespace": claim.metadata.namespace,
                     "name": claim.metadata.name,
@@ -633,6 +654,9 @@ def start_cluster(root: Path, *, node_network: bool | None = None) -> Iterator[K
     finally:
         if network is not None:
             network.stop()
+            # containerd's content and snapshots (GBs of imported images): gone with the node, not left in
+            # the session's temp dir that pytest keeps
+            node.remove_tree(root / "node")
 
 
 @contextlib.contextmanager
@@ -796,7 +820,12 @@ def main() -> None:
     try:
         with start_cluster(root / "cluster") as cluster:
             if cluster.network is not None:
-                cluster.start_node()
+                from kube import images
+
+                # every built image, for people (RAWMM_CLUSTER_IMAGES="operator": a quicker start)
+                chosen = os.environ.get("RAWMM_CLUSTER_IMAGES")
+                every = [path.stem.removeprefix("rawmm-") for path in images.built()]
+                cluster.start_node(names=chosen.split() if chosen is not None else every)
             if cluster.network is not None:
                 network = cluster.network
                 print(f"# node {node.NODE_NAME}: link {network.host_if}, cgroup {network.cgroup}", flush=True)

@@ -4,7 +4,8 @@ into the node's containerd with `ctr images import` (node.import_images).
 - `PAUSE_IMAGE`: the pod sandbox, the pause program built from tools/k8s/pause.
 - `BUSYBOX_IMAGE`: Debian's busybox-static (its applets as symlinks), for pods that only need a shell, a
   web server (httpd), wget, nc and nslookup.
-- `built()`: the rawmm images of images/*/Dockerfile that `make images` built with buildah.
+- `built()`: the rawmm images of images/*/Dockerfile that `make images` built with buildah; the node imports
+  `NODE_START_IMAGES` when it starts, the others when a test asks.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import io
 import json
 import tarfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +138,14 @@ def busybox_archive(directory: Path) -> Path:
     )
 
 
-def built() -> list[Path]:
-    """The docker-archives of the rawmm images `make images` built (images/<name>/Dockerfile)."""
-    return sorted(BUILT.glob("rawmm-*.tar"))
+# What the node imports when it starts: the operator's image is small; the run images (trainer, CPU
+# inference: GBs, minutes to import) are imported by the tests that run them (`KubeCluster.import_images`).
+NODE_START_IMAGES = ("operator",)
+
+
+def built(names: Iterable[str] | None = None) -> list[Path]:
+    """The docker-archives of the rawmm images `make images` built (images/<name>/Dockerfile): those of
+    `names` that exist, or all of them."""
+    if names is None:
+        return sorted(BUILT.glob("rawmm-*.tar"))
+    return [path for name in names if (path := BUILT / f"rawmm-{name}.tar").is_file()]

@@ -6,12 +6,13 @@ objects: Helm adopts only objects it made, and the chart's CRD outlives `helm un
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from typing import Any
 
 import helm_python as helm
 
-from kube.cluster import REPO, KubeCluster
+from kube.cluster import REPO, KubeCluster, wait_for
 
 CHART = REPO / "charts" / "rawmm"
 CRD_FILE = REPO / "manifests" / "crds" / "rlruns.rawmm.dev.yaml"
@@ -69,3 +70,37 @@ def applied_install_yaml(cluster: KubeCluster, *, monitoring: bool) -> Iterator[
         cluster.kubectl("delete", "--ignore-not-found", "--wait", "--timeout=120s", *arguments, check=False)
         remove_crd(cluster)
         remove_namespace(cluster, RELEASE_NAMESPACE)
+
+
+def ready_operator_pod(cluster: KubeCluster, timeout: float = 180) -> dict[str, Any]:
+    """The release's operator pod once Ready (its startup and liveness probes); a timeout names what the pods,
+    the namespace's events and the node said, since a pod that never gets Ready leaves no other trace."""
+
+    def ready() -> dict[str, Any] | None:
+        pods = json.loads(cluster.kubectl("get", "pods", "-n", RELEASE_NAMESPACE, "-o", "json").stdout)
+        return next(
+            (
+                pod
+                for pod in pods["items"]
+                if any(
+                    c["type"] == "Ready" and c["status"] == "True"
+                    for c in pod["status"].get("conditions", [])
+                )
+            ),
+            None,
+        )
+
+    try:
+        pod: dict[str, Any] = wait_for(ready, "the operator pod Ready", timeout=timeout, interval=0.5)
+    except TimeoutError as timed_out:
+        said = [
+            cluster.kubectl(*args, check=False).stdout
+            for args in (
+                ("describe", "pods", "-n", RELEASE_NAMESPACE),
+                ("logs", "-n", RELEASE_NAMESPACE, "-l", "app.kubernetes.io/component=operator", "--tail=40"),
+                ("get", "events", "-n", RELEASE_NAMESPACE, "--sort-by=.lastTimestamp"),
+                ("describe", "nodes"),
+            )
+        ]
+        raise TimeoutError(f"{timed_out}\n" + "\n".join(said)) from None
+    return pod

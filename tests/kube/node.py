@@ -184,9 +184,13 @@ class NodeNetwork:
         """`argv` as a command run inside the node's namespaces (paths must be absolute)."""
         return ["nsenter", f"--target={self.init_pid}", "--net", "--mount", "--pid", "--", *argv]
 
-    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def run(self, *argv: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
-            self.enter(*argv), capture_output=True, text=True, timeout=60, env={**os.environ, **node_env()}
+            self.enter(*argv),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **node_env()},
         )
         if check and result.returncode != 0:
             raise RuntimeError(
@@ -419,8 +423,12 @@ def kubelet_config(root: Path, network: NodeNetwork, ca_file: Path, kubelet_port
         "registerWithTaints": [{"key": REAL_NODE_TAINT, "value": "true", "effect": "NoSchedule"}],
         "maxPods": 30,
         "serializeImagePulls": False,
-        # a shared test machine: no evictions for its disk and memory, no image GC of the imported images
-        "evictionHard": {"memory.available": "50Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
+        # A shared test machine: no evictions and no image GC of the imported images. 0% turns a signal off;
+        # the host's page cache, full after an image import, would otherwise read as memory pressure.
+        "evictionHard": {
+            signal: "0%"
+            for signal in ("memory.available", "nodefs.available", "nodefs.inodesFree", "imagefs.available")
+        },
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,
         "nodeStatusUpdateFrequency": "5s",
@@ -462,13 +470,29 @@ def corefile(kubeconfig: Path, ready_port: int, node_ip: str) -> str:
 """
 
 
+def cri_ctr(network: NodeNetwork, *args: str, timeout: float = 60) -> None:
+    """`ctr` on the node's containerd, in the CRI's namespace (k8s.io), where the kubelet's images and
+    containers are."""
+    ctr = str(DEBS / "usr/bin/ctr")
+    network.run(ctr, f"--address={CONTAINERD_SOCKET}", "--namespace=k8s.io", *args, timeout=timeout)
+
+
 def import_images(network: NodeNetwork, archives: list[Path]) -> None:
     """`ctr images import` each OCI archive into the CRI's namespace (k8s.io), unpacked for overlayfs."""
-    ctr = str(DEBS / "usr/bin/ctr")
     for archive in archives:
-        network.run(
-            ctr, f"--address={CONTAINERD_SOCKET}", "--namespace=k8s.io", "images", "import", str(archive)
-        )
+        # the run images are GBs (torch and its CUDA runtime): minutes on a busy disk
+        cri_ctr(network, "images", "import", str(archive), timeout=1200)
+
+
+def tag_image(network: NodeNetwork, source: str, target: str) -> None:
+    """A second name for an imported image (`ctr images tag`), as a push to another registry would give."""
+    cri_ctr(network, "images", "tag", "--force", source, target)
+
+
+def signal_container(network: NodeNetwork, container_id: str, signal: str) -> None:
+    """Send `signal` to a container's main process (`ctr tasks kill`), as the OOM killer or a node agent
+    would: from outside the pod, unseen by the API server."""
+    cri_ctr(network, "tasks", "kill", "--signal", signal, container_id)
 
 
 def remove_tree(path: Path) -> None:

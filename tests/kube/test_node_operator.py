@@ -14,7 +14,7 @@ import yaml
 from kube import node
 from kube.cluster import KubeCluster, wait_for
 from kube.images import built
-from kube.installs import RELEASE_NAMESPACE, helm_release
+from kube.installs import RELEASE_NAMESPACE, helm_release, ready_operator_pod
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 # Small enough for the fake nodes (3 x 8 GPUs), where its engines and Jobs are scheduled.
@@ -46,22 +46,7 @@ def test_the_operator_runs_as_a_pod_reconciles_a_run_and_reports_real_pod_faults
     assert any(path.name == "rawmm-operator.tar" for path in built()), "no operator image: run `make images`"
     values = {"operator": ON_REAL_NODE, "runs": {"podMonitor": {"enabled": False}}}
     with helm_release(real_node, values):
-
-        def operator_pod() -> dict[str, Any] | None:
-            pods = get(real_node, "pods", "-n", RELEASE_NAMESPACE)["items"]
-            return next(
-                (
-                    p
-                    for p in pods
-                    if any(
-                        c["type"] == "Ready" and c["status"] == "True"
-                        for c in p["status"].get("conditions", [])
-                    )
-                ),
-                None,
-            )
-
-        pod = wait_for(operator_pod, "the operator pod Ready (its startup and liveness probes)", timeout=180)
+        pod = ready_operator_pod(real_node)
         assert pod["spec"]["nodeName"] == node.NODE_NAME
         (status,) = pod["status"]["containerStatuses"]
         assert status["image"].startswith("ghcr.io/rawmm/rawmm-operator:") and status["restartCount"] == 0

@@ -201,7 +201,7 @@ def test_orchestrator_job_runs_the_config_from_the_config_map() -> None:
     ]
     assert {"name": "config", "mountPath": "/etc/rawmm", "readOnly": True} in container["volumeMounts"]
     assert {"name": "config", "configMap": {"name": "exp-config"}} in pod_spec(job)["volumes"]
-    assert job["spec"]["backoffLimit"] == 0
+    assert job["spec"]["backoffLimit"] == 2  # SIGKILLs only (podFailurePolicy)
     assert pod_spec(job)["restartPolicy"] == "Never"
 
 
@@ -448,12 +448,17 @@ def test_pod_template_overrides_per_role(role: str, kind: str, name: str) -> Non
         assert "priorityClassName" not in pod_spec(other)
 
 
-def test_jobs_ignore_disruptions_and_fail_on_a_real_failure() -> None:
+def test_jobs_ignore_disruptions_retry_a_kill_and_fail_on_a_real_failure() -> None:
     for key in (("Job", "exp-orchestrator"), ("Job", "exp-trainer")):
         job = children(MULTI_NODE)[key]
         container = pod_spec(job)["containers"][0]["name"]
+        assert job["spec"]["backoffLimit"] == 2  # SIGKILLs replaced; counted by nothing else
         assert job["spec"]["podFailurePolicy"]["rules"] == [
             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            {
+                "action": "Count",
+                "onExitCodes": {"containerName": container, "operator": "In", "values": [137]},
+            },
             {
                 "action": "FailJob",
                 "onExitCodes": {"containerName": container, "operator": "NotIn", "values": [0]},

@@ -279,12 +279,17 @@ def test_inference_cel_rules_agree_with_the_operator_checks() -> None:
     cel = {rule["message"]: rule["rule"] for rule in cel_rules(node)}
     python = {rule.message: rule for rule in InferenceSpec.rules if rule.cel}
     assert set(cel) == set(python)
-    grid = itertools.product(["vllm", "transformers"], [0, 1, 2, 4], [1, 2, 4, 8], [[], ["--enforce-eager"]])
-    for engine, gpus, tp, extra in grid:
+    grid = itertools.product(
+        ["vllm", "transformers"], [0, 1, 2, 4], [1, 2, 4, 8], [[], ["--enforce-eager"]], ["", "cpu:1"]
+    )
+    for engine, gpus, tp, extra, image in grid:
         raw = apply_schema_defaults(
-            node, {"engine": engine, "gpus": gpus, "tensorParallelSize": tp, "extraArgs": extra}
+            node,
+            {"engine": engine, "gpus": gpus, "tensorParallelSize": tp, "extraArgs": extra, "image": image},
         )
-        model = SimpleNamespace(engine=engine, gpus=gpus, tensor_parallel_size=tp, extra_args=extra)
+        model = SimpleNamespace(
+            engine=engine, gpus=gpus, tensor_parallel_size=tp, extra_args=extra, image=image
+        )
         for message, rule in python.items():
             assert evaluate(cel[message], raw) == rule.holds(model), (message, engine, gpus, tp)
 

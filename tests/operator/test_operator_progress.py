@@ -182,3 +182,16 @@ def test_hit_rate_after_an_engine_restart_counts_from_its_new_counters() -> None
         Counter("rawmm_materialize_cache_misses", "", registry=after.registry).inc(1)
         api.pods = [pod("exp-engine-0", "engine", "http", after.port)]
         assert reader.read("ml", "exp", Progress(cache_hit_rate=0.9)).cache_hit_rate == 0.75
+
+
+def test_the_read_that_ends_a_run_never_seen_before_gives_every_lookup_the_engines_counted() -> None:
+    """A short run can end between two reads: its engines' traffic then fell in no window, and its status
+    would show no hit rate at all. The last read, with no read before it that saw the engines, takes every
+    lookup they counted; a read that is not the last still waits for a second one."""
+    api = PodList()
+    with exporters(1) as (engine,):
+        Counter("rawmm_materialize_cache_hits", "", registry=engine.registry).inc(30)
+        Counter("rawmm_materialize_cache_misses", "", registry=engine.registry).inc(10)
+        api.pods = [pod("exp-engine-0", "engine", "http", engine.port)]
+        assert ProgressReader(api).read("ml", "exp", Progress()).cache_hit_rate is None
+        assert ProgressReader(api).read("ml", "exp", Progress(), last=True).cache_hit_rate == 0.75

@@ -9,6 +9,7 @@ from rawmm_operator.status import (
     TERMINAL_PHASES,
     Applying,
     Observed,
+    Progress,
     RLRunStatus,
     derive_status,
     invalid_spec_status,
@@ -357,3 +358,14 @@ def test_run_ended_is_whether_the_derived_phase_is_terminal(
     derived = derive(obs, before, deadline_exceeded=deadline_exceeded)
     ended = run_ended(observed=obs, previous=before, deadline_exceeded=deadline_exceeded)
     assert ended is (derived.phase in TERMINAL_PHASES)
+
+
+def test_a_trainer_that_succeeded_finished_every_step_whatever_was_last_read() -> None:
+    """The trainer's pod is gone before the operator reads it again: a read of step 3 of 10 is stale."""
+    read = Progress(trainer_step=3, cache_hit_rate=0.5)
+    running = derive(observed(), progress=read, steps=10)
+    assert running.trainer_step == 3
+    done = derive(observed(trainer=job(condition="Complete")), running, now=T1, progress=read, steps=10)
+    assert (done.phase, done.trainer_step, done.cache_hit_rate) == ("Succeeded", 10, 0.5)
+    failed = derive(observed(trainer=job(condition="Failed")), running, now=T1, progress=read, steps=10)
+    assert (failed.phase, failed.trainer_step) == ("Failed", 3)

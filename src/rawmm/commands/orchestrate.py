@@ -7,7 +7,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from rawmm.commands import CliError
+from rawmm.commands import CliError, exit_on_sigterm
 from rawmm.commands.run_config import load_run_config, steps_to_run
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from rawmm.rl.orchestrator.metrics import OrchestratorMetrics
     from rawmm.rl.orchestrator.rollout import PromptRenderer
 
+    exit_on_sigterm()  # a pod stop ends it at once, as 143
     logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     config = load_run_config(args.config)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from rawmm.commands import CliError
+from rawmm.commands import CliError, exit_on_sigterm
 from rawmm.commands.run_config import load_run_config, steps_to_run
 
 
@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from rawmm.rl.trainer.materializer import MissingImageError
     from rawmm.rl.trainer.train_state import MissingTrainState
 
+    exit_on_sigterm()  # a pod stop ends it at once, as 143
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     config = load_run_config(args.config)
     steps = steps_to_run(args.steps, config)
