@@ -55,7 +55,7 @@ def test_varlen_packed_logprobs_equal_unpacked(request, name):
     assert (got - want).abs().max().item() < 1e-4
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the variable-length flash kernel is CUDA's")
+@pytest.mark.gpu  # the variable-length flash kernel is CUDA's
 @pytest.mark.parametrize("name", ["tiny_qwen2_vl", "tiny_qwen3_vl"])
 def test_varlen_kernel_packed_equals_sdpa_unpacked_under_bf16_autocast(request, monkeypatch, name):
     """The flash kernel on the packed micro-batch against sdpa on each sample alone, both in bf16. The

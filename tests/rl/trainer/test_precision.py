@@ -27,7 +27,7 @@ def test_gpu_computes_in_bf16_whether_sharded_or_not_and_cpu_in_fp32():
     assert STATE_BYTES_PER_PARAM == 16  # fp32 weight, gradient and two AdamW moments
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 compute is the GPU's policy")
+@pytest.mark.gpu  # bf16 compute is the GPU's policy
 def test_a_one_gpu_run_computes_in_bf16_and_keeps_fp32_state(make_config: Callable[..., RunConfig], rollouts):
     trainer = Trainer(make_config(), DistContext(rank=0, world_size=1, device=GPU))
     assert not trainer.sharded
