@@ -1,7 +1,8 @@
 """Trainer → engine weight sync: today's checkpoint reload against the gloo broadcast (issue 31).
 
 For 1 and 2 `rawmm serve --engine transformers` replicas of a widened tiny Qwen2-VL (random float32
-weights; `--layers`/`--hidden` set its size), per update:
+weights; `--layers`/`--hidden` set its size; `--dtype bfloat16` serves them in bf16, so the broadcast
+sends bf16 while the trainer keeps float32), per update:
 - checkpoint: the trainer writes the weights as safetensors (`save_pretrained`, what `save_checkpoint`
   does for the weights), then every replica loads them (`POST /v1/rawmm/weights`, concurrently);
 - broadcast: `BroadcastSender.send_weights` (start → update + broadcast → finish) over loopback gloo.
@@ -9,7 +10,7 @@ Per update: seconds until every replica serves the new weights, the engine pause
 longest 1-token generation on replica 0 while the update runs, a probe polling back to back), and the
 bytes moved (written + read per replica for the checkpoint, sent per replica for the broadcast).
 
-    .venv/bin/python bench/weight_sync.py [--layers 16 --hidden 1024 --updates 3]
+    .venv/bin/python bench/weight_sync.py [--layers 16 --hidden 1024 --updates 3 --dtype float32]
 """
 
 from __future__ import annotations
@@ -76,12 +77,12 @@ def widened_model(out: Path, layers: int, hidden: int) -> Path:
 
 
 @contextlib.contextmanager
-def replica(model: Path, work: Path) -> Iterator[str]:
+def replica(model: Path, work: Path, dtype: str) -> Iterator[str]:
     (work / "offload").mkdir(parents=True)
     port = free_port()
     command = [sys.executable, "-m", "rawmm.cli", "serve", "--engine", "transformers", "--model", str(model),
                "--host", "127.0.0.1", "--port", str(port), "--offload-root", str(work / "offload"),
-               "--weights-root", str(work.parent), "--materialize-cache-size", "0"]  # fmt: skip
+               "--weights-root", str(work.parent), "--materialize-cache-size", "0", "--dtype", dtype]  # fmt: skip
     with open(work / "serve.log", "wb") as log:
         process = subprocess.Popen(
             command, env={**os.environ, "RAWMM_WEIGHTS_TOKEN": TOKEN}, stdout=log, stderr=log,
@@ -146,7 +147,9 @@ def perturb(model: torch.nn.Module, step: int) -> None:
             p.add_(1e-3 * step)
 
 
-def bench(model_dir: Path, work: Path, replicas: int, updates: int, bucket_bytes: int) -> dict[str, Any]:
+def bench(
+    model_dir: Path, work: Path, replicas: int, updates: int, bucket_bytes: int, dtype: str
+) -> dict[str, Any]:
     from transformers import AutoModelForImageTextToText
 
     from rawmm.rl.trainer.weight_broadcast import BroadcastSender
@@ -155,7 +158,9 @@ def bench(model_dir: Path, work: Path, replicas: int, updates: int, bucket_bytes
     os.environ["RAWMM_WEIGHTS_TOKEN"] = TOKEN
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     with contextlib.ExitStack() as stack:
-        urls = [stack.enter_context(replica(model_dir, work / f"r{replicas}_{i}")) for i in range(replicas)]
+        urls = [
+            stack.enter_context(replica(model_dir, work / f"r{replicas}_{i}", dtype)) for i in range(replicas)
+        ]
         baseline = probed(urls[0], lambda: time.sleep(2))[1]  # the probe's own latency, nothing running
         rows: dict[str, list[dict[str, float]]] = {"checkpoint": [], "broadcast": []}
         for step in range(1, updates + 1):
@@ -224,6 +229,7 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=3)
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--bucket-mib", type=int, default=64)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the replicas'")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="rawmm-weight-sync-") as tmp:
@@ -231,12 +237,13 @@ def main() -> None:
         model_dir = widened_model(work, args.layers, args.hidden)
         size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
         print(
-            f"model: Qwen2-VL text {args.layers} layers x {args.hidden}, {size / 2**20:.0f} MiB float32",
+            f"model: Qwen2-VL text {args.layers} layers x {args.hidden}, {size / 2**20:.0f} MiB float32, "
+            f"served in {args.dtype}",
             flush=True,
         )
         results = []
         for n in args.replicas:
-            result = bench(model_dir, work, n, args.updates, args.bucket_mib * 2**20)
+            result = bench(model_dir, work, n, args.updates, args.bucket_mib * 2**20, args.dtype)
             print(json.dumps(result), flush=True)
             results.append(result)
         print("\n| replicas | path | update s | pause s (probe) | write s | bytes moved |")

@@ -179,6 +179,9 @@ def default_resources(description: str = "", **requests: str) -> Any:
 
 # The trainer pods' torchrun rendezvous port (several nodes): no other container port may take it.
 TORCHRUN_PORT = 29500
+# With `trainer.weightTransfer: broadcast`, the rendezvous rank 0 opens for the engines (its TCPStore), on
+# every trainer pod's `weights` port: the engine pods must reach it (docs/running-on-a-gpu-cluster.md).
+WEIGHT_TRANSFER_PORT = 29501
 # What the operator mounts in every pod: user volumes and mounts may not reuse these.
 RESERVED_VOLUMES = frozenset({"shared", "tmp", "dshm", "config"})
 RESERVED_MOUNT_PATHS = frozenset({str(SHARED_MOUNT), "/tmp", "/dev/shm", str(RUN_CONFIG_DIR)})
@@ -461,6 +464,12 @@ class TrainerSpec(PodSettings, TrainerConfig):
             message="seqLen must not exceed microBatchTokens: a truncated sample has to fit in one micro-batch",
             holds=lambda s: s.seq_len <= s.micro_batch_tokens,
         ),
+        Rule(
+            cel="self.checkpointEvery == 1 || self.weightTransfer == 'broadcast'",
+            message="checkpointEvery above 1 needs weightTransfer broadcast: in checkpoint mode every step's "
+            "weights reach the engines by its checkpoint",
+            holds=lambda s: s.checkpoint_every == 1 or s.weight_transfer == "broadcast",
+        ),
     )
     image: str = _image()
     nodes: int = Field(
@@ -491,6 +500,10 @@ class MonitoringSpec(MonitoringConfig):
     pod_monitor: bool = Field(default=True, description="create a Prometheus Operator PodMonitor for the run")
 
 
+# trainer.weightTransfer has a schema default; has() keeps the rules safe on an object without it all the same.
+_NOT_BROADCAST = "!has(self.trainer.weightTransfer) || self.trainer.weightTransfer != 'broadcast'"
+
+
 class RLRunSpec(SpecModel):
     rules = (
         Rule(
@@ -503,6 +516,29 @@ class RLRunSpec(SpecModel):
             cel=f"self.monitoring.trainerMetricsPort != {TORCHRUN_PORT}",
             message=f"monitoring.trainerMetricsPort {TORCHRUN_PORT} is torchrun's rendezvous port in the trainer pods",
             holds=lambda s: s.monitoring.trainer_metrics_port != TORCHRUN_PORT,
+        ),
+        # vLLM's side of the broadcast receives into one worker per replica; the run config refuses a
+        # tensorParallelSize above 1 in the derived vLLM arguments too (RunConfig, when the operator derives
+        # it): the CEL copy lets the API server refuse such an RLRun at creation. inference has a schema
+        # default, so its engine and tensorParallelSize are always stored.
+        Rule(
+            cel=f"{_NOT_BROADCAST} || self.inference.engine != 'vllm' || self.inference.tensorParallelSize == 1",
+            message="trainer.weightTransfer broadcast with inference.engine vllm needs inference.tensorParallelSize "
+            "1: the broadcast reaches one worker per replica (use weightTransfer checkpoint)",
+            holds=lambda s: (
+                s.trainer.weight_transfer != "broadcast"
+                or s.inference.engine != "vllm"
+                or s.inference.tensor_parallel_size == 1
+            ),
+        ),
+        Rule(
+            cel=f"{_NOT_BROADCAST} || self.monitoring.trainerMetricsPort != {WEIGHT_TRANSFER_PORT}",
+            message=f"monitoring.trainerMetricsPort {WEIGHT_TRANSFER_PORT} is the weight broadcast's "
+            "rendezvous port in the trainer pods (trainer.weightTransfer broadcast)",
+            holds=lambda s: (
+                s.trainer.weight_transfer != "broadcast"
+                or s.monitoring.trainer_metrics_port != WEIGHT_TRANSFER_PORT
+            ),
         ),
     )
 
@@ -524,7 +560,7 @@ class RLRunSpec(SpecModel):
     )
     trainer: TrainerSpec = Field(
         default_factory=TrainerSpec,
-        description="the trainer Job: trains on each rollout batch and writes a checkpoint per step",
+        description="the trainer Job: trains on each rollout batch and writes the checkpoints",
     )
     monitoring: MonitoringSpec = Field(
         default_factory=MonitoringSpec, description="metrics ports and the Prometheus Operator PodMonitor"

@@ -281,3 +281,58 @@ def test_a_key_written_twice_is_refused_with_its_line(tmp_path: Path) -> None:
     )
     config = RunConfig.from_yaml(path)
     assert (config.trainer.steps, config.model.path) == (3, "m")
+
+
+def test_weight_transfer_defaults_to_checkpoint_and_takes_broadcast(tmp_path: Path) -> None:
+    assert RunConfig.from_mapping(MINIMAL).trainer.weight_transfer == "checkpoint"
+    data = {**MINIMAL, "trainer": {"weight_transfer": "broadcast"}}
+    config = RunConfig.from_yaml(write_yaml(tmp_path, data))
+    assert (config.trainer.weight_transfer, config.trainer.checkpoint_every) == ("broadcast", 1)
+    assert config.weights_step_path == Path("/tmp/run/checkpoints/weights_step")
+    assert RunConfig.from_yaml(write_yaml(tmp_path, yaml.safe_load(config.to_yaml()))) == config
+    # Both engines take it (the vLLM engine through vLLM's own weight-transfer API).
+    on_vllm = {**data, "inference": {"engine": "vllm", "vllm_args": ["--tensor-parallel-size", "1"]}}
+    assert RunConfig.from_mapping(on_vllm).inference.engine == "vllm"
+
+
+@pytest.mark.parametrize(
+    ("patch", "field", "fragment"),
+    [
+        ({"trainer": {"weight_transfer": "nccl"}}, "trainer.weight_transfer", "'checkpoint' or 'broadcast'"),
+        ({"trainer": {"weight_transfer": ""}}, "trainer.weight_transfer", "'checkpoint' or 'broadcast'"),
+        (
+            {
+                "trainer": {"weight_transfer": "broadcast"},
+                "inference": {"engine": "vllm", "vllm_args": ["--enforce-eager", "-tp", "2"]},
+            },
+            "(top level)",
+            "broadcast with inference.engine vllm needs one worker per replica: "
+            "inference.vllm_args set ['--tensor-parallel-size 2']",
+        ),
+        (
+            {
+                "trainer": {"weight_transfer": "broadcast"},
+                "inference": {"engine": "vllm", "vllm_args": ["--pipeline_parallel_size=2"]},
+            },
+            "(top level)",
+            "inference.vllm_args set ['--pipeline-parallel-size 2']",
+        ),
+        (
+            {"trainer": {"checkpoint_every": 4}},
+            "trainer",
+            "trainer.checkpoint_every 4 needs trainer.weight_transfer broadcast",
+        ),
+        (
+            {"trainer": {"weight_transfer": "broadcast", "checkpoint_every": 0}},
+            "trainer.checkpoint_every",
+            "greater than or equal to 1",
+        ),
+    ],
+)
+def test_a_weight_transfer_that_cannot_run_is_refused_naming_the_field(
+    tmp_path: Path, patch: dict, field: str, fragment: str
+) -> None:
+    path = write_yaml(tmp_path, {**MINIMAL, **patch})
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_yaml(path)
+    assert f"{field}: " in str(info.value) and fragment in str(info.value), str(info.value)

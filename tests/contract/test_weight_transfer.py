@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from rawmm.contract.weight_transfer import TransferInit, TransferUpdate, plan_buckets
+from rawmm.contract.weight_transfer import (
+    TransferInit,
+    TransferUpdate,
+    loads_into,
+    plan_buckets,
+    served_dtype_of,
+    wire_dtype,
+)
 
 
 def test_buckets_fill_past_the_limit_and_keep_every_tensor_once_in_order() -> None:
@@ -38,3 +45,27 @@ def test_malformed_update_info_is_refused(fields: dict[str, object]) -> None:
 def test_a_rank_outside_the_world_is_refused() -> None:
     with pytest.raises(ValidationError):
         TransferInit(master_address="127.0.0.1", master_port=1234, rank_offset=2, world_size=2)
+
+
+def test_floating_tensors_travel_in_the_replicas_narrower_dtype_and_nothing_else_changes() -> None:
+    assert wire_dtype("float32", ["bfloat16", "bfloat16"]) == "bfloat16"
+    assert wire_dtype("float32", ["float32"]) == "float32"
+    assert wire_dtype("bfloat16", ["float32"]) == "bfloat16"  # never widened
+    assert wire_dtype("float32", ["bfloat16", "float32"]) == "float32"  # replicas that differ: as held
+    assert wire_dtype("float32", ["float16"]) == "float16"
+    assert wire_dtype("int64", ["bfloat16"]) == "int64"  # only floating tensors are narrowed
+    assert wire_dtype("float32", []) == "float32"  # a non-sending rank knows no replica
+
+
+def test_a_floating_tensor_loads_into_any_floating_one_and_others_only_into_their_own() -> None:
+    assert loads_into("bfloat16", "float32") and loads_into("float32", "bfloat16")
+    assert loads_into("int64", "int64")
+    assert not loads_into("int64", "float32") and not loads_into("float32", "int32")
+
+
+def test_a_replica_answers_the_widest_floating_dtype_it_keeps() -> None:
+    assert served_dtype_of(["bfloat16", "bfloat16", "int64"]) == "bfloat16"
+    assert served_dtype_of(["bfloat16", "float32"]) == "float32"  # vLLM-CPU in bf16: float32 biases
+    assert served_dtype_of(["bfloat16", "float16"]) == "float32"  # neither holds the other
+    assert served_dtype_of(["float64", "float32"]) == "float64"
+    assert served_dtype_of([]) == "float32"

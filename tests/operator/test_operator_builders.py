@@ -543,3 +543,74 @@ def test_engines_and_orchestrator_get_the_weights_token_and_root() -> None:
     kubernetes_validate.validate(secret, KUBERNETES_VERSIONS[-1], strict=True)
     assert secret["metadata"]["name"] == "exp-weights" and secret["stringData"] == {"token": "s3cret"}
     assert secret["metadata"]["ownerReferences"][0]["uid"] == RUN.uid
+
+
+BROADCAST = merged(CPU_ONLY, {"trainer": {"weightTransfer": "broadcast", "checkpointEvery": 5}})
+WEIGHTS_TOKEN = {
+    "name": "RAWMM_WEIGHTS_TOKEN",
+    "valueFrom": {"secretKeyRef": {"name": "exp-weights", "key": "token"}},
+}
+POD_IP = {"name": "RAWMM_WEIGHT_TRANSFER_ADDRESS", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+WEIGHTS_PORT = {"name": "weights", "containerPort": 29501, "protocol": "TCP"}
+
+
+def trainer_container(built: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    (container,) = pod_spec(built[("Job", "exp-trainer")])["containers"]
+    return container
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_a_broadcasting_trainer_gets_the_token_its_rendezvous_and_the_engines(version: str) -> None:
+    """What `rawmm.rl.trainer.weight_publish` reads: the weights token (rank 0 calls the engines' transfer
+    routes), the rendezvous address (the pod's IP) and a fixed port, declared on the container."""
+    from rawmm.rl.trainer.weight_publish import ADDRESS_ENV, PORT_ENV
+
+    built = children(BROADCAST)
+    trainer = built[("Job", "exp-trainer")]
+    kubernetes_validate.validate(trainer, version, strict=True)
+    container = trainer_container(built)
+    env = {e["name"]: e for e in container["env"]}
+    assert env["RAWMM_WEIGHTS_TOKEN"] == WEIGHTS_TOKEN
+    assert env[ADDRESS_ENV] == POD_IP
+    assert env[PORT_ENV] == {"name": PORT_ENV, "value": "29501"}
+    assert WEIGHTS_PORT in container["ports"]
+    # the engines' URLs and the mode reach the trainer through the run config it reads
+    config = RunConfig.from_mapping(yaml.safe_load(built[("ConfigMap", "exp-config")]["data"]["run.yaml"]))
+    assert (config.trainer.weight_transfer, config.trainer.checkpoint_every) == ("broadcast", 5)
+    assert config.inference.urls == ["http://exp-engine-0.exp-engine-headless.ml.svc:8000"]
+    # the engines are as in checkpoint mode: they already hold the token
+    (engine,) = pod_spec(built[("StatefulSet", "exp-engine")])["containers"]
+    assert WEIGHTS_TOKEN in engine["env"]
+
+
+def test_a_checkpoint_trainer_gets_neither_token_nor_rendezvous() -> None:
+    container = trainer_container(children(CPU_ONLY))
+    names = {e["name"] for e in container["env"]}
+    assert not names & {"RAWMM_WEIGHTS_TOKEN", "RAWMM_WEIGHT_TRANSFER_ADDRESS", "RAWMM_WEIGHT_TRANSFER_PORT"}
+    assert [p["name"] for p in container["ports"]] == ["metrics"]
+
+
+def test_a_broadcasting_multi_node_trainer_keeps_torchruns_rendezvous_apart() -> None:
+    """Every trainer pod gets its own IP (only rank 0's listens); torchrun keeps its own port and Service."""
+    spec = merged(
+        MULTI_NODE,
+        {
+            "inference": {"engine": "transformers", "tensorParallelSize": 1},
+            "trainer": {"weightTransfer": "broadcast"},
+        },
+    )
+    built = children(spec)
+    container = trainer_container(built)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"metrics": 9102, "rendezvous": 29500, "weights": 29501}
+    assert POD_IP in container["env"] and WEIGHTS_TOKEN in container["env"]
+    service = built[("Service", "exp-trainer")]
+    assert [p["name"] for p in service["spec"]["ports"]] == ["rendezvous"]
+    kubernetes_validate.validate(built[("Job", "exp-trainer")], KUBERNETES_VERSIONS[-1], strict=True)
+
+
+def test_a_trainer_env_entry_replaces_the_operators_rendezvous_address() -> None:
+    """A cluster whose engines cannot reach the pod IP (another network for the trainer) names its own."""
+    address = {"name": "RAWMM_WEIGHT_TRANSFER_ADDRESS", "value": "10.1.2.3"}
+    container = trainer_container(children(merged(BROADCAST, {"trainer": {"env": [address]}})))
+    assert [e for e in container["env"] if e["name"] == address["name"]] == [address]

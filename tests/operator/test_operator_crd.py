@@ -13,10 +13,12 @@ import kubernetes_validate
 import pytest
 import yaml
 from operator_samples import SPECS, apply_schema_defaults, merged, rlrun
+from pydantic import ValidationError
 
+from rawmm.config import TrainerConfig
 from rawmm.config.quantity import parse_byte_size
 from rawmm_operator.crd import crd_manifest, crd_yaml, spec_schema
-from rawmm_operator.spec import InferenceSpec, parse_spec, run_name_problem
+from rawmm_operator.spec import InferenceSpec, RLRunSpec, parse_spec, run_name_problem
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "manifests" / "crds" / "rlruns.rawmm.dev.yaml"
@@ -404,11 +406,87 @@ def test_the_trainer_metrics_port_may_not_be_torchruns() -> None:
         assert evaluate(rule["rule"], stored["spec"]) is ok
 
 
-def test_trainer_seq_len_rule_agrees_with_the_run_config() -> None:
+def test_the_broadcast_rules_agree_with_the_operator_checks_and_the_run_config() -> None:
+    """broadcast is accepted on the cluster now, with either engine (a vLLM replica of one worker: as the run
+    config wants) and with the trainer's metrics off its rendezvous port; the old "local runs only" and
+    "transformers engine only" refusals are gone."""
+    from rawmm.config import ConfigError, RunConfig
+
+    rules = cel_rules(open_api_schema()["properties"]["spec"])
+    assert not [r for r in rules if "local runs" in r["message"]]
+    assert not [r for r in rules if "needs inference.engine transformers" in r["message"]]
+    cel = {r["message"]: r["rule"] for r in rules if "weightTransfer" in r["rule"]}
+    python = {r.message: r for r in RLRunSpec.rules if r.cel and "weightTransfer" in r.cel}
+    assert set(cel) == set(python) and len(cel) == 2
+    grid = itertools.product(
+        [None, "checkpoint", "broadcast"], ["vllm", "transformers"], [9102, 29501], [1, 2]
+    )
+    for transfer, engine, port, parallel in grid:
+        patch: dict[str, Any] = {
+            "inference": {"engine": engine, "tensorParallelSize": parallel},
+            "monitoring": {"trainerMetricsPort": port},
+        }
+        stored = as_stored(rlrun("run", merged(SPECS["cpu-only"], patch)))["spec"]
+        if transfer is None:
+            del stored["trainer"]["weightTransfer"]  # the guard: an object without it
+        else:
+            stored["trainer"]["weightTransfer"] = transfer
+        model = SimpleNamespace(
+            trainer=SimpleNamespace(weight_transfer=transfer or "checkpoint"),
+            inference=SimpleNamespace(engine=engine, tensor_parallel_size=parallel),
+            monitoring=SimpleNamespace(trainer_metrics_port=port),
+        )
+        for message, rule in python.items():
+            assert evaluate(cel[message], stored) == rule.holds(model), (
+                message,
+                transfer,
+                engine,
+                port,
+                parallel,
+            )
+        if engine != "vllm":
+            continue  # tensorParallelSize is a vLLM argument (another rule refuses it with transformers)
+        # the runs the run config refuses (from the vLLM arguments the operator derives) are exactly the
+        # ones the engine rule refuses
+        (engine_rule,) = [r for m, r in python.items() if "engine" in m]
+        data = {
+            "model": {"path": "m", "preset": "qwen2_vl"},
+            "shared_dir": "/s",
+            "inference": {"engine": engine, "vllm_args": ["--tensor-parallel-size", str(parallel)]},
+            "trainer": {"weight_transfer": transfer or "checkpoint"},
+        }
+        try:
+            RunConfig.from_mapping(data)
+            accepted = True
+        except ConfigError:
+            accepted = False
+        assert accepted == engine_rule.holds(model), (transfer, engine, parallel)
+
+
+def trainer_rule(naming: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The trainer's schema node and its one CEL rule that names `naming`."""
     node = open_api_schema()["properties"]["spec"]["properties"]["trainer"]
-    (rule,) = cel_rules(node)
+    (rule,) = [r for r in cel_rules(node) if naming in r["rule"]]
+    return node, rule
+
+
+def test_trainer_seq_len_rule_agrees_with_the_run_config() -> None:
+    node, rule = trainer_rule("seqLen")
     for seq_len, micro in [(512, 512), (1024, 512), (2048, 4096)]:
         raw = apply_schema_defaults(node, {"seqLen": seq_len, "microBatchTokens": micro})
         assert evaluate(rule["rule"], raw) == (seq_len <= micro)
     # defaults alone (seqLen 2048, microBatchTokens 4096) pass
     assert evaluate(rule["rule"], apply_schema_defaults(node, {}))
+
+
+def test_trainer_checkpoint_every_rule_agrees_with_the_run_config() -> None:
+    node, rule = trainer_rule("checkpointEvery")
+    for every, transfer in itertools.product((1, 3), ("checkpoint", "broadcast")):
+        raw = apply_schema_defaults(node, {"checkpointEvery": every, "weightTransfer": transfer})
+        try:
+            TrainerConfig(checkpoint_every=every, weight_transfer=transfer)
+            accepted = True
+        except ValidationError:
+            accepted = False
+        assert evaluate(rule["rule"], raw) == accepted == (every == 1 or transfer == "broadcast")
+    assert evaluate(rule["rule"], apply_schema_defaults(node, {}))  # the defaults pass

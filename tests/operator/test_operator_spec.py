@@ -39,7 +39,7 @@ def test_spec_is_camel_case_and_inherits_the_run_config_defaults() -> None:
             {"inference": {"materializeCacheSize": "lots"}},
             "inference.materializeCacheSize: invalid byte size 'lots'",
         ),
-        ({"inference": {"gpus": 0}}, "the vllm engine needs gpus >= 1"),
+        ({"inference": {"gpus": 0, "image": ""}}, "the vllm engine needs gpus >= 1"),
         ({"inference": {"gpus": 2, "tensorParallelSize": 4}}, "tensorParallelSize cannot exceed"),
         (
             {"inference": {"engine": "transformers", "extraArgs": ["--enforce-eager"]}},
@@ -88,6 +88,19 @@ def test_spec_is_camel_case_and_inherits_the_run_config_defaults() -> None:
             "volumeMounts may not mount",
         ),
         ({"monitoring": {"trainerMetricsPort": 29500}}, "torchrun's rendezvous port"),
+        # vLLM's side of the broadcast receives into one worker per replica
+        (
+            {"trainer": {"weightTransfer": "broadcast"}, "inference": {"gpus": 2, "tensorParallelSize": 2}},
+            "broadcast with inference.engine vllm needs inference.tensorParallelSize 1",
+        ),
+        (
+            {
+                "inference": {"engine": "transformers"},
+                "trainer": {"weightTransfer": "broadcast"},
+                "monitoring": {"trainerMetricsPort": 29501},
+            },
+            "29501 is the weight broadcast's rendezvous port",
+        ),
         ({"suspend": "yes please"}, "suspend: "),
         ({"extra": 1}, "extra: unknown field"),
     ],
@@ -96,6 +109,13 @@ def test_bad_specs_name_the_field(patch: dict, fragment: str) -> None:
     with pytest.raises(InvalidSpec) as info:
         parse_spec("run", merged(ISSUE_EXAMPLE, patch))
     assert fragment in str(info.value)
+
+
+def test_a_cpu_vllm_engine_runs_from_an_image_of_vllms_cpu_build() -> None:
+    """gpus 0 with the default image (vLLM's CUDA build) is refused above; naming an image is accepted."""
+    cpu = {"inference": {"gpus": 0, "image": "registry.example/rawmm-inference:0.1.0-cpu"}}
+    spec = parse_spec("run", merged(ISSUE_EXAMPLE, cpu))
+    assert (spec.inference.engine, spec.inference.gpus) == ("vllm", 0)
 
 
 @pytest.mark.parametrize(
@@ -166,3 +186,21 @@ def test_default_images_follow_the_image_setting(monkeypatch: pytest.MonkeyPatch
     assert default_image("trainer") == "registry.example.com/team/rawmm-trainer:dev-1"
     monkeypatch.setenv("RAWMM_IMAGE_TAG", "")
     assert default_image("inference") == f"registry.example.com/team/rawmm-inference:{rawmm.__version__}"
+
+
+def test_a_broadcast_run_with_the_transformers_engine_is_accepted() -> None:
+    """The operator gives the trainer the token and the rendezvous now: no more refusal of broadcast."""
+    spec = parse_spec("exp", merged(CPU_ONLY, {"trainer": {"weightTransfer": "broadcast"}}))
+    config = run_config("exp", "ml", spec)
+    assert (config.trainer.weight_transfer, config.inference.engine) == ("broadcast", "transformers")
+    assert RunConfig.from_mapping(yaml.safe_load(config.to_yaml())) == config
+    # 29501 is free for metrics where nothing broadcasts
+    parse_spec("exp", merged(CPU_ONLY, {"monitoring": {"trainerMetricsPort": 29501}}))
+
+
+def test_a_broadcast_run_with_the_vllm_engine_is_accepted() -> None:
+    """`rawmm serve --engine vllm` serves the weight-transfer routes (vLLM's own weight-transfer API)."""
+    spec = parse_spec("exp", merged(ISSUE_EXAMPLE, {"trainer": {"weightTransfer": "broadcast"}}))
+    config = run_config("exp", "ml", spec)
+    assert (config.trainer.weight_transfer, config.inference.engine) == ("broadcast", "vllm")
+    assert RunConfig.from_mapping(yaml.safe_load(config.to_yaml())) == config

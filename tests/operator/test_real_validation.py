@@ -88,6 +88,10 @@ REFUSED_AT_CREATION = {
         "cannot exceed the GPUs of one replica",
     ),
     "seq-len-above-micro-batch": ({"trainer": {"seqLen": 32768}}, "seqLen must not exceed microBatchTokens"),
+    "sparse-checkpoints-without-broadcast": (
+        {"trainer": {"checkpointEvery": 5}},
+        "checkpointEvery above 1 needs weightTransfer broadcast",
+    ),
     "rwo-multi-node": (
         {"offload": {"accessMode": "ReadWriteOnce"}, "trainer": {"nodes": 2}},
         "it needs trainer.nodes 1",

@@ -4,6 +4,7 @@ engine reloading every checkpoint in place and the run ending on the last one.""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -15,6 +16,20 @@ from rawmm.run import LocalRun, plan_local_run
 EXAMPLE = Path(__file__).parents[2] / "examples" / "local-tiny-vllm.yaml"
 
 
+def small_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The vLLM example's run config, shrunk to a quick run on a free port, its engine's temp files here."""
+    # The engine inherits these: no OpenMP pinning on a shared machine, temp files under this test.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    data: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    data["inference"]["base_port"] = free_port()
+    data["orchestrator"].update(
+        {"prompts_per_step": 1, "rollouts_per_prompt": 2, "max_turns": 2, "max_tokens": 4}
+    )
+    return data
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_vllm_example_runs_end_to_end_and_reloads_every_checkpoint(
@@ -24,15 +39,7 @@ def test_the_vllm_example_runs_end_to_end_and_reloads_every_checkpoint(
 
     from rawmm.run.scrape import health_version, scrape
 
-    # The engine inherits these: no OpenMP pinning on a shared machine, temp files under this test.
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    data = yaml.safe_load(EXAMPLE.read_text())
-    data["inference"]["base_port"] = free_port()
-    data["orchestrator"].update(
-        {"prompts_per_step": 1, "rollouts_per_prompt": 2, "max_turns": 2, "max_tokens": 4}
-    )
+    data = small_example(tmp_path, monkeypatch)
     plan = plan_local_run(RunConfig.model_validate(data), output_dir=tmp_path / "run")
     live: dict = {}
 

@@ -38,6 +38,7 @@ class Server:
     config: Any
     log: Path
     weights_root: Path
+    pid: int  # the server's process (the leader of its group)
 
     def post(self, route: str, body: Any, headers: dict[str, str] | None = None) -> httpx.Response:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -111,9 +112,10 @@ def stop_group(process: subprocess.Popen[bytes]) -> None:
 
 @contextmanager
 def running_server(
-    model: Path, work: Path, serve_args: Sequence[str], *, timeout_s: float = 240.0
+    model: Path, work: Path, serve_args: Sequence[str], *, timeout_s: float = 240.0, port: int | None = None
 ) -> Iterator[Server]:
     """``rawmm serve --model model`` with an offload store under ``work``; terminated on exit, whatever happens.
+    ``port``: a replica restarted at the address it had (a free one by default).
 
     Weight updates are open to ``WEIGHTS_TOKEN`` from ``work/checkpoints`` (``Server.weights_root``)."""
     from transformers import AutoTokenizer
@@ -121,7 +123,7 @@ def running_server(
     store = OffloadStore(work / "offload")
     weights_root = work / "checkpoints"
     weights_root.mkdir(exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     log = work / "serve.log"
     command = [
         sys.executable, "-m", "rawmm.cli", "serve", "--model", str(model),
@@ -130,7 +132,7 @@ def running_server(
     ]  # fmt: skip
     env = {**os.environ, "RAWMM_WEIGHTS_TOKEN": WEIGHTS_TOKEN}
     url = f"http://127.0.0.1:{port}"
-    with serve_process(command, env, log, url, timeout_s):
+    with serve_process(command, env, log, url, timeout_s) as process:
         yield Server(
             url=url,
             store=store,
@@ -138,6 +140,7 @@ def running_server(
             config=get_family("qwen_vl").config_from_pretrained(model),
             log=log,
             weights_root=weights_root,
+            pid=process.pid,
         )
 
 

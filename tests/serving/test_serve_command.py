@@ -38,6 +38,7 @@ def test_the_cache_budget_comes_from_the_flag_then_the_environment(
         (["--max-image-pixels", "-5"], "--max-image-pixels must be at least 1, got -5"),
         (["--max-image-pixels", "0"], "--max-image-pixels must be at least 1, got 0"),
         (["--max-pixels-in-flight", "0"], "--max-pixels-in-flight must be at least 1, got 0"),
+        (["--engine", "vllm", "--dtype", "bfloat16"], "give vLLM its own after `--`"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(

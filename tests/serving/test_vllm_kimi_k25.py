@@ -12,10 +12,9 @@ when vLLM fixes it; on a GPU it must hold).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from vllm_harness import (
@@ -28,7 +27,7 @@ from vllm_harness import (
     check_one_image,
     check_transparent_and_rotated_images,
     picture,
-    tiny,
+    seed_checkpoints,
     vllm_server,
 )
 
@@ -40,10 +39,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The weights root: tiny Kimi K2.5 seed 0 (served first) and seed 1."""
-    root = tmp_path_factory.mktemp("vllm_kimi_checkpoints")
-    tiny("kimi_k25", root / "seed0", seed=0)
-    tiny("kimi_k25", root / "seed1", seed=1)
-    return root
+    return seed_checkpoints("kimi_k25", tmp_path_factory.mktemp("vllm_kimi_checkpoints"))
 
 
 @pytest.fixture(scope="module")
@@ -84,16 +80,17 @@ def test_one_image_under_vision_chunk_equals_vllms_own_path(
     check_one_image(server)
 
 
-def test_images_of_different_sizes_equal_vllms_own_path(server: VllmServer) -> None:
-    check_images_of_different_sizes(server)
-
-
-def test_four_turns_resending_earlier_images_equal_vllms_own_path(server: VllmServer) -> None:
-    check_four_turns_resending_images(server)
-
-
-def test_transparent_and_exif_rotated_images_equal_vllms_own_path(server: VllmServer) -> None:
-    check_transparent_and_rotated_images(server)
+@pytest.mark.parametrize(
+    "check",
+    [
+        check_images_of_different_sizes,
+        check_four_turns_resending_images,
+        check_transparent_and_rotated_images,
+    ],
+    ids=lambda check: check.__name__.removeprefix("check_"),
+)
+def test_raw_refs_equal_vllms_own_path(server: VllmServer, check: Callable[[VllmServer], None]) -> None:
+    check(server)
 
 
 def test_items_keyed_under_the_wrong_modality_are_refused(server: VllmServer) -> None:
@@ -109,18 +106,16 @@ def test_items_keyed_under_the_wrong_modality_are_refused(server: VllmServer) ->
 
 
 def test_weight_update_keeps_raw_refs_equal_to_vllms_own_path(server: VllmServer, checkpoints: Path) -> None:
-    version = httpx.get(f"{server.url}/health").json()["weights_version"]
+    version = server.weights_version()
     conversation = Conversation(server)
     conversation.user(picture(50, 80, 60), "first", picture(51, 48, 120), "second")
     fresh_seed0 = both_ways(conversation)
 
-    response = server.load_weights(checkpoints / "seed1")
-    assert response.status_code == 200, response.text
-    assert response.json() == {"weights_version": version + 1}
+    server.assert_loads(checkpoints / "seed1", version + 1)
     seed1 = both_ways(conversation)  # raw refs still equal vLLM's own path, on the new weights
     assert max(abs(a - b) for a, b in zip(seed1[1], fresh_seed0[1], strict=True)) > 1e-2
 
-    assert server.load_weights(checkpoints / "seed0").json() == {"weights_version": version + 2}
+    server.assert_loads(checkpoints / "seed0", version + 2)
     assert both_ways(conversation)[0] == fresh_seed0[0]
 
 

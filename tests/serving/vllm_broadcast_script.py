@@ -53,8 +53,9 @@ def main() -> None:
 
         urls = ["offline"]
 
-        def init_weight_transfer_engine(self, infos: list[dict[str, Any]]) -> None:
+        def init_weight_transfer_engine(self, infos: list[dict[str, Any]]) -> list[str]:
             llm.init_weight_transfer_engine({"init_info": infos[0]})
+            return [str(llm.model_config.dtype).removeprefix("torch.")]
 
         def start_weight_update(self) -> None:
             llm.start_weight_update()

@@ -22,11 +22,9 @@ import httpx
 from PIL import Image
 from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
-from serve_harness import serve_process
+from serve_harness import WEIGHTS_TOKEN, serve_process
 
 from rawmm.contract import Family, OffloadStore, RenderedPrompt, detect_family, render_chat
-
-WEIGHTS_TOKEN = "vllm-test-token"
 
 
 def tiny(preset: str, out: Path, seed: int = 0) -> Path:
@@ -35,6 +33,14 @@ def tiny(preset: str, out: Path, seed: int = 0) -> Path:
     from rawmm.run.tiny import build_tiny_model
 
     return build_tiny_model(preset, out, seed=seed, gpu_shape=os.environ.get("RAWMM_TINY_GPU_SHAPE") == "1")
+
+
+def seed_checkpoints(preset: str, root: Path) -> Path:
+    """A weights root for weight updates: tiny ``preset`` checkpoints of seed 0 (``seed0``, the one to serve
+    first) and seed 1 (``seed1``)."""
+    for seed in (0, 1):
+        tiny(preset, root / f"seed{seed}", seed=seed)
+    return root
 
 
 def vllm_env(tmp: Path) -> dict[str, str]:
@@ -78,6 +84,15 @@ class VllmServer:
 
     def load_weights(self, path: Path) -> httpx.Response:
         return self.post("/v1/rawmm/weights", {"path": str(path)}, Authorization=f"Bearer {WEIGHTS_TOKEN}")
+
+    def weights_version(self) -> int:
+        return int(httpx.get(f"{self.url}/health").json()["weights_version"])
+
+    def assert_loads(self, path: Path, version: int) -> None:
+        """Loading the weights at ``path`` succeeds and makes them weights version ``version``."""
+        response = self.load_weights(path)
+        assert response.status_code == 200, response.text
+        assert response.json() == {"weights_version": version}
 
 
 MAX_MODEL_LEN = 4096  # prompt plus completion, for every server here

@@ -1,6 +1,16 @@
 """The run's Jobs: the orchestrator, the trainer (an indexed Job, with a headless Service for torchrun's
 rendezvous when it spans nodes) and, with `offload.retention`, the offload volume's garbage collection.
 
+With `trainer.weightTransfer: broadcast` the trainer's rank 0 sends each step's weights into the engines
+(docs/architecture.md §6.1, `rawmm.rl.trainer.weight_publish`): its pods get the run's weights token, and
+the rendezvous the engines join, at a fixed port (`weights`, `WEIGHT_TRANSFER_PORT`) on the pod's own IP
+(the downward API's `status.podIP`). The IP, not index 0's DNS name under the trainer's headless Service:
+the address reaches the engines inside each group's init request (rebuilt, with the new pod's IP, after a
+trainer pod is replaced), so it need not outlive the pod; rank 0's gloo device binds to that address, which
+an IP always names in its own pod, while the DNS name exists only with the Service (several nodes) and a
+published record; and it spares rank 0 resolving the first engine's name at start, the default, which fails
+while that engine's pod has no IP yet.
+
 The GC is a Job rather than a CronJob: `rawmm gc --config … --watch` runs a pass at start and after every
 checkpoint (between steps, as `rawmm run` does), ends after the run's last step, and serves the volume's
 usage on its `metrics` port while it runs, where the run's PodMonitor and the operator's status scrape read
@@ -18,12 +28,23 @@ from rawmm_operator import pods
 from rawmm_operator.children.config import weights_token_env
 from rawmm_operator.names import child_name
 from rawmm_operator.objects import Manifest, RunRef
-from rawmm_operator.spec import RUN_CONFIG_DIR, RUN_CONFIG_FILE, TORCHRUN_PORT, RLRunSpec, default_image
+from rawmm_operator.spec import (
+    RUN_CONFIG_DIR,
+    RUN_CONFIG_FILE,
+    TORCHRUN_PORT,
+    WEIGHT_TRANSFER_PORT,
+    RLRunSpec,
+    default_image,
+)
 
 ORCHESTRATOR_COMPONENT = "orchestrator"
 TRAINER_COMPONENT = "trainer"
 GC_COMPONENT = "offload-gc"
 CONFIG_PATH = str(RUN_CONFIG_DIR / RUN_CONFIG_FILE)
+# What `rawmm.rl.trainer.weight_publish` reads (ADDRESS_ENV, PORT_ENV); named here so the operator needs no torch.
+WEIGHT_TRANSFER_ADDRESS_ENV = "RAWMM_WEIGHT_TRANSFER_ADDRESS"
+WEIGHT_TRANSFER_PORT_ENV = "RAWMM_WEIGHT_TRANSFER_PORT"
+WEIGHT_TRANSFER_PORT_NAME = "weights"
 
 
 def build_orchestrator_job(run: RunRef, spec: RLRunSpec, config: RunConfig) -> Manifest:
@@ -74,6 +95,16 @@ def trainer_command(run: RunRef, spec: RLRunSpec) -> list[str]:
     return [*launcher, "--no-python", *train]
 
 
+def weight_transfer_env(run: RunRef) -> list[dict[str, Any]]:
+    """A broadcasting trainer's variables: the weights token (rank 0 calls the engines' weight-transfer
+    routes) and the rendezvous the engines join (each pod's own IP; rank 0's pod is the one that listens)."""
+    return [
+        weights_token_env(run),
+        {"name": WEIGHT_TRANSFER_ADDRESS_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": WEIGHT_TRANSFER_PORT_ENV, "value": str(WEIGHT_TRANSFER_PORT)},
+    ]
+
+
 def build_trainer_job(run: RunRef, spec: RLRunSpec, config: RunConfig) -> Manifest:
     trainer = spec.trainer
     command = trainer_command(run, spec)
@@ -91,6 +122,11 @@ def build_trainer_job(run: RunRef, spec: RLRunSpec, config: RunConfig) -> Manife
             }
         )
         ports.append({"name": "rendezvous", "containerPort": TORCHRUN_PORT, "protocol": "TCP"})
+    if trainer.weight_transfer == "broadcast":
+        env += weight_transfer_env(run)
+        ports.append(
+            {"name": WEIGHT_TRANSFER_PORT_NAME, "containerPort": WEIGHT_TRANSFER_PORT, "protocol": "TCP"}
+        )
     container = pods.container(
         trainer,
         name="trainer",
@@ -120,7 +156,8 @@ def build_trainer_job(run: RunRef, spec: RLRunSpec, config: RunConfig) -> Manife
 
 
 def build_trainer_service(run: RunRef) -> Manifest:
-    """The trainer's headless Service: the DNS name of index 0, torchrun's rendezvous."""
+    """The trainer's headless Service: the DNS name of index 0, torchrun's rendezvous. (The weight
+    broadcast's `weights` port needs none: the engines get rank 0's pod IP in each init request.)"""
     name = child_name(run.name, "trainer")
     return pods.service(run, name, TRAINER_COMPONENT, TORCHRUN_PORT, "rendezvous", headless=True)
 

@@ -78,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="the dtype the transformers engine serves in (default float32; with --engine vllm give vLLM's "
+        "own --dtype after `--`)",
+    )
+    parser.add_argument(
         "--max-image-pixels",
         type=int,
         default=None,
@@ -124,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--{option.replace('_', '-')} must be at least 1, got {value}")
     if args.vllm_args and args.engine != "vllm":
         raise CliError(f"extra arguments {args.vllm_args} are for --engine vllm only")
+    if args.dtype is not None and args.engine == "vllm":
+        raise CliError("--dtype is the transformers engine's: give vLLM its own after `--` (-- --dtype ...)")
     _check_model(args.model)
     # vLLM binds its own socket later; the probe still makes a busy port a one-line error within a second.
     sock = claim_port(args.host, args.port)
@@ -177,6 +186,7 @@ def _serve_transformers(
 ) -> int:
     import asyncio
 
+    import torch
     import uvicorn
 
     from rawmm.serving.guard import WeightsGuard
@@ -184,7 +194,7 @@ def _serve_transformers(
     from rawmm.serving.transformers_engine import TransformersEngine
 
     try:
-        engine = TransformersEngine(args.model, processor)
+        engine = TransformersEngine(args.model, processor, dtype=getattr(torch, args.dtype or "float32"))
     except Exception as exc:  # noqa: BLE001 - a checkpoint that does not load (a bad safetensors header, a
         # config.json that is no model's) is a bad --model: one line, not a traceback
         raise CliError(f"cannot load {args.model}: {exc}") from None

@@ -33,6 +33,9 @@ EngineKind = Literal["transformers", "vllm"]
 MissingImagePolicy = Literal["error", "zero_loss"]
 # ddp: every rank holds the whole model and AdamW state; fsdp: FSDP2 shards them over the ranks.
 Parallelism = Literal["ddp", "fsdp"]
+# checkpoint: every replica reloads each step's checkpoint from the shared volume; broadcast: the trainer sends
+# the weights straight into the replicas (docs/architecture.md §6.1).
+WeightTransfer = Literal["checkpoint", "broadcast"]
 
 
 # A run's seeds are 32-bit: every generator they seed takes them, and the RLRun schema can state the bound (the
@@ -121,6 +124,28 @@ class InferenceSettings(StrictModel):
     @property
     def cache_size_bytes(self) -> int:
         return parse_byte_size(self.materialize_cache_size)
+
+
+_VLLM_PARALLEL_FLAGS = {
+    "--tensor-parallel-size": "--tensor-parallel-size", "-tp": "--tensor-parallel-size",
+    "--pipeline-parallel-size": "--pipeline-parallel-size", "-pp": "--pipeline-parallel-size",
+    "--data-parallel-size": "--data-parallel-size", "-dp": "--data-parallel-size",
+}  # fmt: skip
+
+
+def _vllm_parallelism(args: list[str]) -> list[str]:
+    """The vLLM arguments of ``args`` that give a replica more than one worker (``--tensor-parallel-size 2``)."""
+    found = []
+    for i, arg in enumerate(args):
+        flag, _, value = arg.partition("=")
+        flag = flag.replace("_", "-") if flag.startswith("--") else flag
+        if flag not in _VLLM_PARALLEL_FLAGS:
+            continue
+        if not value and i + 1 < len(args):
+            value = args[i + 1]
+        if value.strip() != "1":
+            found.append(f"{_VLLM_PARALLEL_FLAGS[flag]} {value}")
+    return found
 
 
 class InferenceConfig(InferenceSettings):
@@ -305,6 +330,20 @@ class TrainerConfig(StrictModel):
         description="the trainer fails when a step's rollout batch takes longer "
         "(`rawmm train --batch-timeout` overrides it)",
     )
+    weight_transfer: WeightTransfer = Field(
+        default="checkpoint",
+        description="how each step's weights reach the engines: checkpoint, every replica reloads the step's "
+        "checkpoint from the shared volume; broadcast, the trainer's rank 0 sends them into every replica "
+        "(vLLM's weight-transfer protocol over gloo, on both engines; every replica must reach the "
+        "trainer's rank 0), and a replica that missed an update reloads the latest checkpoint",
+    )
+    checkpoint_every: int = Field(
+        default=1,
+        ge=1,
+        description="write a checkpoint (what a resume and a replica's catch-up read) every N steps, on the "
+        "last step, and on a step whose broadcast did not reach every replica; above 1 only with "
+        "weightTransfer broadcast (in checkpoint mode each step's weights travel by checkpoint)",
+    )
 
     @model_validator(mode="after")
     def _seq_len_fits_a_micro_batch(self) -> TrainerConfig:
@@ -313,6 +352,11 @@ class TrainerConfig(StrictModel):
             raise ValueError(
                 f"trainer.seq_len ({self.seq_len}) must not exceed trainer.micro_batch_tokens "
                 f"({self.micro_batch_tokens}): a truncated sample has to fit in one micro-batch"
+            )
+        if self.checkpoint_every > 1 and self.weight_transfer != "broadcast":
+            raise ValueError(
+                f"trainer.checkpoint_every {self.checkpoint_every} needs trainer.weight_transfer broadcast: "
+                "in checkpoint mode every step's weights reach the engines by its checkpoint"
             )
         return self
 
@@ -374,6 +418,19 @@ class RunConfig(StrictModel):
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
 
+    @model_validator(mode="after")
+    def _broadcast_needs_one_worker_per_replica(self) -> RunConfig:
+        # Refused here, before anything starts: otherwise every update falls back to a reload, minutes in.
+        # vLLM's side of the broadcast (serving/vllm_weight_transfer.py) receives into one worker per replica.
+        if self.trainer.weight_transfer == "broadcast" and self.inference.engine == "vllm":
+            parallel = _vllm_parallelism(self.inference.vllm_args)
+            if parallel:
+                raise ValueError(
+                    f"trainer.weight_transfer broadcast with inference.engine vllm needs one worker per "
+                    f"replica: inference.vllm_args set {parallel} (use weight_transfer: checkpoint)"
+                )
+        return self
+
     @property
     def offload_dir(self) -> Path:
         return SharedDir(self.shared_dir).offload_dir
@@ -385,6 +442,13 @@ class RunConfig(StrictModel):
     @property
     def checkpoints_dir(self) -> Path:
         return SharedDir(self.shared_dir).checkpoints_dir
+
+    @property
+    def weights_step_path(self) -> Path:
+        """With `trainer.weight_transfer: broadcast`, `checkpoints/weights_step`: the newest step whose weights
+        every live replica holds, as text, replaced atomically by the trainer's rank 0 after each update (the
+        orchestrator waits on it as it waits on `checkpoints/latest` in checkpoint mode)."""
+        return self.checkpoints_dir / "weights_step"
 
     @classmethod
     def from_mapping(cls, data: Any, *, source: str = "run config") -> RunConfig:

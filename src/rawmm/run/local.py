@@ -9,7 +9,8 @@ fails over). Ctrl-C stops everything as well. In every case the engines are scra
 every process group is stopped (no orphans) and `summary.json` is written. Should `rawmm run` itself be
 killed (SIGKILL, OOM), its watchdog process stops every group instead (`rawmm.run.watchdog`).
 Local engines open weight updates only to a token generated for this run (`$RAWMM_WEIGHTS_TOKEN`, given to
-the engines and the orchestrator) and only from the run's checkpoint directory (`--weights-root`).
+the engines and the orchestrator, and to the trainer when it broadcasts the weights itself,
+`trainer.weight_transfer: broadcast`) and only from the run's checkpoint directory (`--weights-root`).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class LocalRun:
                 # and their start-up (imports, model loading) overlaps.
                 for child in self.children:
                     self._watchdog.watch(
-                        child.start(self._weights_env if child is not self.trainer else None)
+                        child.start(self._weights_env if self._updates_weights(child) else None)
                     )
                 while not self._finished():
                     self._tick(http, live)
@@ -142,6 +143,11 @@ class LocalRun:
                 self.console.line()  # Live leaves its last frame unterminated on a non-terminal console
             self._finish(status, error)
         return json.loads(self.plan.summary_path.read_text())
+
+    def _updates_weights(self, child: ChildProcess) -> bool:
+        """Whether `child` gets the weights token: the engines and whoever updates their weights (the
+        orchestrator, or the trainer with `trainer.weight_transfer: broadcast`)."""
+        return child is not self.trainer or self.plan.config.trainer.weight_transfer == "broadcast"
 
     def _prepare(self) -> None:
         plan = self.plan

@@ -138,7 +138,8 @@ class Engine(ABC):
         """Load new weights from a checkpoint directory; returns the new weights version."""
 
     # The broadcast path (rawmm.contract.weight_transfer): engines that cannot take it refuse every step.
-    async def init_weight_transfer(self, info: TransferInit) -> None:
+    async def init_weight_transfer(self, info: TransferInit) -> str:
+        """Join the sender's group; returns the dtype the engine serves its weights in (``wire_dtype``)."""
         raise InvalidRequest(_NO_BROADCAST, reason="weight_transfer_unsupported")
 
     async def start_weight_update(self) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from rawmm.contract.engine_api import Sampling
-from rawmm.contract.weight_transfer import TransferInit, TransferUpdate
+from rawmm.contract.weight_transfer import TransferInit, TransferUpdate, served_dtype_of
 from rawmm.materialize import LoadedProcessor, collate, get_adapter
 from rawmm.materialize.normalize import PixelNormalizer
 from rawmm.serving.engine import Engine, EngineUnavailable, Generation, ImageInput, InvalidRequest
@@ -35,10 +35,10 @@ from rawmm.serving.weight_receiver import WeightReceiver, copy_into, fit_problem
 log = logging.getLogger(__name__)
 
 
-def _load_model(path: str) -> Any:
+def _load_model(path: str, dtype: torch.dtype = torch.float32) -> Any:
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
     return model.eval()
 
 
@@ -50,12 +50,14 @@ def _eos_ids(model: Any) -> set[int]:
 
 
 class TransformersEngine(Engine):
-    def __init__(self, model_path: str, processor: LoadedProcessor) -> None:
+    def __init__(
+        self, model_path: str, processor: LoadedProcessor, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         self.processor = processor
         self.adapter = get_adapter(processor.family.name)
         self.normalizer = PixelNormalizer(processor) if processor.pixels == "uint8" else None
-        self.model = _load_model(model_path)
+        self.model = _load_model(model_path, dtype)  # a reload reads float32 and casts into it
         text_config = self.model.config.get_text_config()
         self.placeholder_token_id = int(self.model.config.image_token_id)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
@@ -165,14 +167,19 @@ class TransformersEngine(Engine):
             self._stale = None
         return self.gate.version
 
-    async def init_weight_transfer(self, info: TransferInit) -> None:
+    async def init_weight_transfer(self, info: TransferInit) -> str:
         if self._update is not None:
-            raise InvalidRequest("a weight update is in progress", reason="weight_update_active")
+            # A sender inits only between its updates: this one's sender went away mid-update (the trainer
+            # restarted). Its update ends unfinished, moving no version, and generation resumes.
+            stack, self._update = self._update, None
+            log.warning("a new weight transfer init ends the unfinished update of the previous sender")
+            await stack.__aexit__(RuntimeError, RuntimeError("abandoned by its sender"), None)
         # Blocks until every rank has joined: off the event loop, which keeps serving meanwhile.
         receiver = await asyncio.to_thread(WeightReceiver, info)
         if self._receiver is not None:  # a new sender (the trainer restarted) replaces the old group
             self._receiver.shutdown()
         self._receiver = receiver
+        return served_dtype_of(str(param.dtype).removeprefix("torch.") for param in self.model.parameters())
 
     async def start_weight_update(self) -> None:
         if self._receiver is None:
@@ -186,7 +193,8 @@ class TransformersEngine(Engine):
         except BaseException:
             self._update = None
             raise
-        self._update_error = None
+        # Until a whole update is received, finishing it moves no version: nothing new is served.
+        self._update_error = "no weights were received"
 
     async def update_weights(self, update: TransferUpdate) -> None:
         if self._update is None or self._receiver is None:
@@ -208,6 +216,7 @@ class TransformersEngine(Engine):
             self._update_error = problem
             raise InvalidRequest(f"the sent weights do not fit the served model: {problem}",
                                  reason="weights_do_not_fit")  # fmt: skip
+        self._update_error = None
 
     async def finish_weight_update(self) -> int:
         stack, self._update = self._update, None

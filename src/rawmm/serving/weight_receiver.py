@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from rawmm.contract.weight_transfer import TransferInit, TransferUpdate, plan_buckets
+from rawmm.contract.weight_transfer import TransferInit, TransferUpdate, loads_into, plan_buckets
 
 # Takes one bucket's ``(name, tensor)`` pairs: vLLM's ``model.load_weights`` has this shape.
 Load = Callable[[list[tuple[str, torch.Tensor]]], None]
@@ -48,12 +48,14 @@ class WeightReceiver:
 
     def __init__(self, info: TransferInit) -> None:
         self.info = info
-        self.group = join_group(info)
+        self.group: dist.ProcessGroupGloo | None = join_group(info)
 
     def receive(self, update: TransferUpdate, load: Load | None) -> int:
         """Receive every bucket of ``update`` and hand its tensors to ``load`` (views of the bucket, valid
         during the call); with ``load`` None, drain the stream without loading anything (the update was
         refused, and the sender must not hang). Returns the bytes received."""
+        if self.group is None:
+            raise RuntimeError("this replica left the weight broadcast group")
         sizes = update.sizes()
         received = 0
         for bucket in plan_buckets(sizes, self.info.bucket_bytes):
@@ -73,7 +75,11 @@ class WeightReceiver:
         return received
 
     def shutdown(self) -> None:
-        self.group.shutdown()
+        """Close the group's connections (the sender then fails at once): gloo's ``shutdown()`` leaves them
+        open, only the group's destruction closes them, so this drops the last reference."""
+        group, self.group = self.group, None
+        if group is not None:
+            group.shutdown()
 
 
 def copy_into(params: Mapping[str, torch.Tensor]) -> Load:
@@ -88,7 +94,7 @@ def copy_into(params: Mapping[str, torch.Tensor]) -> Load:
 
 
 def fit_problem(update: TransferUpdate, params: Mapping[str, torch.Tensor]) -> str | None:
-    """Why ``update`` cannot load into ``params`` (names, shapes, dtypes), or None when it fits exactly."""
+    """Why ``update`` cannot load into ``params`` (names, shapes, dtypes: ``loads_into``), or None."""
     names = set(update.names)
     missing, extra = sorted(params.keys() - names), sorted(names - params.keys())
     if missing or extra:
@@ -97,6 +103,6 @@ def fit_problem(update: TransferUpdate, params: Mapping[str, torch.Tensor]) -> s
         return "a tensor is sent twice"
     for name, dtype, shape in zip(update.names, update.dtype_names, update.shapes, strict=True):
         param = params[name]
-        if list(param.shape) != shape or str(param.dtype) != f"torch.{dtype}":
+        if list(param.shape) != shape or not loads_into(dtype, str(param.dtype).removeprefix("torch.")):
             return f"{name}: sent {dtype} {shape}, served {param.dtype} {list(param.shape)}"
     return None

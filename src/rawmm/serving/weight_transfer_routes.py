@@ -23,6 +23,7 @@ from rawmm.contract.weight_transfer import (
     UPDATE_PATH,
     FinishRequest,
     InitRequest,
+    InitResponse,
     UpdateRequest,
 )
 from rawmm.serving import metrics
@@ -70,8 +71,8 @@ def build_weight_transfer_router(
     @router.post(INIT_PATH)
     async def init(request: Request) -> Any:
         async def run(body: InitRequest) -> dict[str, str]:
-            await engine.init_weight_transfer(body.init_info)
-            return {"message": "weight transfer initialized"}
+            served = await engine.init_weight_transfer(body.init_info)
+            return InitResponse(served_dtype=served).model_dump()
 
         return await step(request, InitRequest, "init", run)
 

@@ -343,3 +343,30 @@ async def test_a_sampled_image_placeholder_token_never_reaches_a_training_sample
         completion = [t for t, on in zip(sample.token_ids, sample.loss_mask, strict=True) if on]
         assert completion == yes
         assert sample.token_ids.count(pad) == sum(image.length for image in sample.mm_refs)
+
+
+@pytest.mark.parametrize(("every", "expected"), [(1, (False, None)), (3, (True, "step_2"))])
+def test_a_replica_that_missed_updates_waits_for_the_weights_checkpoint_only_when_one_comes_at_once(
+    tmp_path: Path, every: int, expected: tuple[bool, str | None]
+) -> None:
+    """Broadcast mode, the replicas on step 3's weights, the latest checkpoint step 2's. Writing one every step,
+    the trainer is writing step 3's now: a restarted replica waits for it. Writing one every 3 steps, step 3's
+    comes with the next step, which needs rollouts: the replica serves step 2's until that next update."""
+    from types import SimpleNamespace
+
+    config = RunConfig.model_validate(
+        {
+            "model": {"path": "m", "preset": "qwen2_vl"},
+            "shared_dir": str(tmp_path / "shared"),
+            "trainer": {"weight_transfer": "broadcast", "checkpoint_every": every},
+        }
+    )
+    finish_checkpoint(config.shared_dir, 2)
+    config.weights_step_path.write_text("3\n")
+    pool = SimpleNamespace(catch_up=None)
+    Orchestrator(
+        config, pool=pool, renderer=None, environment=None, metrics=OrchestratorMetrics(),  # type: ignore[arg-type]
+        checkpoint_timeout_s=5,
+    )  # fmt: skip
+    ready, path = pool.catch_up()
+    assert (ready, path and Path(path).name) == expected

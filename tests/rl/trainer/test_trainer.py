@@ -10,7 +10,7 @@ from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from rawmm.contract.shared_dir import checkpoint_dir, latest_step
 from rawmm.rl.trainer.distributed import init_distributed
-from rawmm.rl.trainer.loop import Trainer, learning_rate_at
+from rawmm.rl.trainer.loop import Trainer, checkpoint_due, learning_rate_at
 from rawmm.rl.trainer.materializer import MissingImageError
 from rawmm.rl.trainer.precision import compute_dtype
 
@@ -162,3 +162,12 @@ def test_the_learning_rate_warms_up_linearly_then_holds():
         [6e-4, 1.2e-3, 1.8e-3, 2.4e-3, 3e-3, 3e-3, 3e-3]
     )
     assert learning_rate_at(1, 3e-3, 0) == 3e-3
+
+
+def test_a_checkpoint_is_due_every_n_steps_on_the_last_and_whenever_the_broadcast_did_not_deliver():
+    """`trainer.checkpoint_every`: a broadcast step between checkpoints writes none; a step whose replicas
+    must reload it (the broadcast skipped or failed) and the run's last step always write theirs."""
+    due = [step for step in range(1, 8) if checkpoint_due(step, 3, 7, "broadcast")]
+    assert due == [3, 6, 7]
+    assert checkpoint_due(4, 3, 7, "reload") and checkpoint_due(4, 3, 9, "checkpoint")
+    assert all(checkpoint_due(step, 1, 7, "broadcast") for step in range(1, 8))  # the default: every step

@@ -8,6 +8,12 @@ and every turn of every surviving rollout becomes a sample. A rollout the engine
 image ref, or any other 4xx) is dropped and counted, never retried. After the last batch the
 orchestrator waits for the final checkpoint and has the replicas load it, so a finished run's
 engines serve its final weights.
+
+With `trainer.weight_transfer: broadcast` the trainer puts each step's weights into the replicas itself
+and then moves `checkpoints/weights_step` (`RunConfig.weights_step_path`): the orchestrator waits on that
+instead of `latest`, tells no replica to load anything, and a replica that missed an update (it
+restarted: it is down, or answers on an older weights version) loads the latest checkpoint before it
+serves again, once that checkpoint has caught up with `weights_step`.
 """
 
 from __future__ import annotations
@@ -25,7 +31,14 @@ from typing import TextIO
 
 from rawmm.config import RunConfig
 from rawmm.contract.engine_api import Sampling
-from rawmm.contract.shared_dir import checkpoint_dir, latest_step, wait_for_checkpoint, written_steps
+from rawmm.contract.shared_dir import (
+    CheckpointTimeout,
+    checkpoint_dir,
+    latest_step,
+    read_step,
+    wait_for_checkpoint,
+    written_steps,
+)
 from rawmm.rl.batches import write_batch
 from rawmm.rl.envs import Environment
 from rawmm.rl.orchestrator.advantages import group_advantages
@@ -55,7 +68,9 @@ class StepReport:
     images_sent: int
     rollout_seconds: float
     wait_seconds: float
-    sync_seconds: float  # telling the replicas to load the newest checkpoint, until every one answered
+    # telling the replicas to load the newest checkpoint, until every one answered (0 when the trainer
+    # broadcasts the weights itself)
+    sync_seconds: float
     # Mean score per answer label over the step's scored replies (`Episode.outcomes`); empty when the
     # environment reports none. Shows which answers a policy gets right, not only how many.
     reward_by_label: dict[str, float]
@@ -81,6 +96,9 @@ class Orchestrator:
         self._poll_interval_s = poll_interval_s
         self._checkpoint_timeout_s = checkpoint_timeout_s  # per wait
         self.weights_step = 0  # the checkpoint the replicas were last told to load (0 = as started)
+        self.broadcast = config.trainer.weight_transfer == "broadcast"
+        if self.broadcast:
+            pool.catch_up = self._catch_up
 
     async def run(
         self, steps: int, *, on_step: Callable[[StepReport], None] | None = None
@@ -187,9 +205,19 @@ class Orchestrator:
         return samples
 
     async def _wait_for_trainer(self, step: int) -> float:
-        """Wait until the trainer's latest checkpoint is at least `step` (`CheckpointTimeout` after the
-        checkpoint timeout); returns the seconds waited."""
+        """Wait until the trainer's latest checkpoint (broadcast mode: the weights every replica holds) is at
+        least `step` (`CheckpointTimeout` after the checkpoint timeout); returns the seconds waited."""
         started = time.perf_counter()
+        if self.broadcast:
+            deadline = time.monotonic() + self._checkpoint_timeout_s
+            while weights_step(self.config) < step:
+                if time.monotonic() >= deadline:
+                    raise CheckpointTimeout(
+                        f"the trainer did not update the engines' weights to step {step} "
+                        f"({self.config.weights_step_path}) within {self._checkpoint_timeout_s:.0f}s"
+                    )
+                await asyncio.sleep(self._poll_interval_s)
+            return time.perf_counter() - started
         await wait_for_checkpoint(
             self.config.checkpoints_dir,
             step,
@@ -199,6 +227,13 @@ class Orchestrator:
         return time.perf_counter() - started
 
     async def _sync_weights(self) -> None:
+        if self.broadcast:  # the trainer updated the replicas itself
+            latest = weights_step(self.config)
+            if latest > self.weights_step:
+                self.weights_step = latest
+                self.metrics.weights_step.set(latest)
+                log.info("replicas now serve the weights of step %d (broadcast by the trainer)", latest)
+            return
         latest = latest_step(self.config.checkpoints_dir)
         if latest > self.weights_step:
             path = checkpoint_dir(self.config.checkpoints_dir, latest)
@@ -206,6 +241,23 @@ class Orchestrator:
             self.weights_step = latest
             self.metrics.weights_step.set(latest)
             log.info("replicas now serve checkpoint step %d (%s)", latest, path)
+
+    def _catch_up(self) -> tuple[bool, str | None]:
+        """Broadcast mode: what a replica that missed updates loads before it serves again: the latest
+        checkpoint (None: the base weights), once it holds the weights the others serve (not ready: False).
+        With `trainer.checkpoint_every` above 1 that checkpoint may be steps behind and come only with the
+        trainer's next step, which needs rollouts: waiting for it would deadlock a run whose replicas all
+        restarted, so the replica serves the latest one now, until that next update (which fails on it and
+        so has every replica load the step's checkpoint)."""
+        latest = latest_step(self.config.checkpoints_dir)
+        if latest < weights_step(self.config) and self.config.trainer.checkpoint_every == 1:
+            return False, None  # the trainer is writing that step's checkpoint right now
+        return True, str(checkpoint_dir(self.config.checkpoints_dir, latest).resolve()) if latest else None
+
+
+def weights_step(config: RunConfig) -> int:
+    """Broadcast mode: the newest step whose weights the trainer put into the replicas; 0 before the first."""
+    return read_step(config.weights_step_path)
 
 
 def episode_seed(run_seed: int, step: int, group: int) -> int:

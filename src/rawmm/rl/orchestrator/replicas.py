@@ -7,7 +7,8 @@ own rollouts. A replica whose request fails after the client's retries, or that 
 than it was given (it restarted unseen), is marked down and the request moves to the next replica in the
 rollout's ranking. While any replica is down a
 background probe polls its `/health`; when it answers, it is told to load the latest weights
-before it takes rollouts again. When no replica is up, requests wait up to `down_timeout_s` for
+before it takes rollouts again (with the trainer broadcasting the weights, `catch_up` says which checkpoint,
+and whether it is written yet). When no replica is up, requests wait up to `down_timeout_s` for
 one to come back, then fail with `NoReplicaAvailable`.
 """
 
@@ -17,7 +18,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 
@@ -62,6 +63,9 @@ class ReplicaPool:
         self._probe: asyncio.Task[None] | None = None
         self._weights_path: str | None = None
         self.weights_versions: dict[str, int] = {}
+        # Set when the trainer broadcasts the weights: (ready, checkpoint path or None for the base weights)
+        # of what a revived replica loads; not ready keeps it down for now.
+        self.catch_up: Callable[[], tuple[bool, str | None]] | None = None
         metrics.replicas_up.set(len(self.urls))
 
     @property
@@ -111,6 +115,9 @@ class ReplicaPool:
                         url, f"it answered on weights version {generation.weights_version}, not {expected}"
                     )
                     continue
+                # Versions only grow while a replica lives (the trainer's broadcasts move them too): one
+                # answering below the highest seen has restarted.
+                self.weights_versions[url] = max(expected, generation.weights_version)
                 return url, generation
             await self._wait_for_any_up()
 
@@ -170,10 +177,15 @@ class ReplicaPool:
                     )
 
     async def _revive(self, url: str) -> bool:
+        path = self._weights_path
+        if self.catch_up is not None:
+            ready, path = self.catch_up()
+            if not ready:
+                return False
         try:
             version = await self._client.health(url)
-            if self._weights_path is not None:
-                version = await self._client.load_weights(url, self._weights_path)
+            if path is not None:
+                version = await self._client.load_weights(url, path)
         except (httpx.HTTPError, EngineError, ValueError, KeyError) as exc:
             # Every probe interval for as long as it stays down: "marked down" and "is back" are the news.
             log.debug("engine replica %s still down: %s", url, exc)

@@ -1,4 +1,8 @@
-"""The training loop: wait for a step's rollout batch, train on it, write the step's checkpoint."""
+"""The training loop: wait for a step's rollout batch, train on it, write the step's checkpoint.
+
+With `trainer.weight_transfer: broadcast` the step's weights go straight into the engine replicas before
+its checkpoint is written (`rawmm.rl.trainer.weight_publish`), and a checkpoint is written only every
+`trainer.checkpoint_every` steps (`checkpoint_due`)."""
 
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from rawmm.rl.trainer.materializer import MaterializedMicroBatch, RawImageMateri
 from rawmm.rl.trainer.packing import pack_samples
 from rawmm.rl.trainer.precision import autocast
 from rawmm.rl.trainer.train_state import load_train_state
+from rawmm.rl.trainer.weight_publish import Delivery, Published, WeightPublisher
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,15 @@ class TrainStepReport:
     missing_images: int
     materialize_seconds: float
     step_seconds: float
-    checkpoint: str
+    checkpoint: str | None  # None: a broadcast step between checkpoints (trainer.checkpoint_every)
+    weights_delivery: Delivery  # how the step's weights reached the engines (rank 0's view)
+    weights_seconds: float  # the broadcast (start..finish) or the reload rank 0 ran; 0 in checkpoint mode
+
+
+def checkpoint_due(step: int, every: int, last_step: int, delivery: Delivery) -> bool:
+    """Whether `step` writes a checkpoint: every `every` steps and on the run's last (what a resume reads),
+    and whenever its weights did not go out by broadcast (the replicas then load this step's checkpoint)."""
+    return step % every == 0 or step >= last_step or delivery != "broadcast"
 
 
 def learning_rate_at(step: int, peak: float, warmup_steps: int) -> float:
@@ -118,9 +131,21 @@ class Trainer:
         temperature = config.orchestrator.sampling.temperature
         # Greedy sampling has no temperature to undo; the engine reports plain logprobs then.
         self.temperature = temperature if temperature > 0 else 1.0
+        self.publisher = (
+            WeightPublisher(
+                self.model,
+                config.inference.urls,
+                dist,
+                sharded=self.sharded,
+                weights_step_path=config.weights_step_path,
+            )
+            if cfg.weight_transfer == "broadcast"
+            else None
+        )
 
-    def train_step(self, batch: RolloutBatch) -> TrainStepReport:
-        """One optimizer step on `batch` (every rank passes the same batch)."""
+    def train_step(self, batch: RolloutBatch, *, last_step: int | None = None) -> TrainStepReport:
+        """One optimizer step on `batch` (every rank passes the same batch); `last_step`, the run's last
+        (default `trainer.steps`), always writes its checkpoint."""
         started = time.perf_counter()
         cfg = self.config.trainer
         samples = [truncate_sample(s, cfg.seq_len) for s in batch.samples]
@@ -158,7 +183,19 @@ class Trainer:
             group["lr"] = learning_rate_at(batch.step, cfg.learning_rate, cfg.lr_warmup_steps)
         self.optimizer.step()
 
-        saved = self._checkpoint(batch.step)
+        # Broadcast mode: the replicas get the weights first (the orchestrator goes on once they have them),
+        # then the checkpoint is written for resume and catch-up, and loaded if the broadcast did not happen.
+        sent = (
+            self.publisher.send(batch.step)
+            if self.publisher is not None
+            else Published("checkpoint", 0.0, {})
+        )
+        saved = None
+        delivery = self.publisher.agreed_delivery(sent) if self.publisher is not None else sent.delivery
+        if checkpoint_due(batch.step, cfg.checkpoint_every, last_step or cfg.steps, delivery):
+            saved = self._checkpoint(batch.step)
+        if self.publisher is not None and saved is not None:
+            sent = self.publisher.after_checkpoint(batch.step, saved, sent)
         result = TrainStepReport(
             step=batch.step,
             loss=float(loss_sum[0]),
@@ -175,7 +212,9 @@ class Trainer:
             missing_images=missing,
             materialize_seconds=stats.seconds,
             step_seconds=time.perf_counter() - started,
-            checkpoint=str(saved),
+            checkpoint=str(saved) if saved is not None else None,
+            weights_delivery=sent.delivery,
+            weights_seconds=sent.seconds,
         )
         self.step = batch.step
         if self.dist.is_main:
@@ -243,12 +282,16 @@ class Trainer:
         """Train steps `latest + 1 .. steps`, each on its rollout batch once it appears (waiting at most
         `batch_timeout` seconds for each)."""
         results = []
-        for step in range(self.step + 1, steps + 1):
-            batch = wait_for_batch(self.config.rollouts_dir, step, timeout_s=batch_timeout)
-            result = self.train_step(batch)
-            results.append(result)
-            if on_step is not None:
-                on_step(result)
+        try:
+            for step in range(self.step + 1, steps + 1):
+                batch = wait_for_batch(self.config.rollouts_dir, step, timeout_s=batch_timeout)
+                result = self.train_step(batch, last_step=steps)
+                results.append(result)
+                if on_step is not None:
+                    on_step(result)
+        finally:
+            if self.publisher is not None:
+                self.publisher.shutdown()
         return results
 
 

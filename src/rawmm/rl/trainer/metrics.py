@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
 
-STEP = Gauge("rawmm_trainer_step", "Last training step whose checkpoint was written")
+STEP = Gauge("rawmm_trainer_step", "Last training step done (its weights published to the engines)")
 LOSS = Gauge("rawmm_trainer_loss", "Policy-gradient loss of the last step")
 REWARD_MEAN = Gauge("rawmm_trainer_reward_mean", "Mean reward of the samples trained on in the last step")
 MISSING_IMAGES = Counter(

@@ -7,16 +7,18 @@ of a gloo group with the N replicas at ranks 1..N. Each update streams the param
 (``rawmm.contract.weight_transfer.plan_buckets``): a bucket's tensors are gathered (FSDP ``full_tensor()``,
 a collective every trainer rank runs in the same order), packed into one ``uint8`` tensor, broadcast, and
 dropped, so rank 0 never holds more than one bucket beyond its own shards. Non-sender ranks only take
-part in the gathers. The parameters go as the trainer holds them (float32), as the checkpoint has them,
-so a replica that loads them holds what a reload of the same step's checkpoint would give it.
+part in the gathers. A floating parameter goes in the dtype the replicas serve when that is narrower than
+the trainer's float32 (``wire_dtype``: bf16 engines get half the bytes), cast as a reload casts the
+checkpoint's, so a replica that loads it holds what a reload of the same step's checkpoint would give it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -24,7 +26,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from rawmm.contract.weight_transfer import DEFAULT_BUCKET_BYTES, TransferInit, TransferUpdate, plan_buckets
+from rawmm.contract.weight_transfer import (
+    DEFAULT_BUCKET_BYTES,
+    TransferInit,
+    TransferUpdate,
+    plan_buckets,
+    wire_dtype,
+)
 
 
 class WeightSyncClient(Protocol):
@@ -32,7 +40,9 @@ class WeightSyncClient(Protocol):
 
     urls: list[str]
 
-    def init_weight_transfer_engine(self, init_infos: list[dict[str, Any]]) -> None: ...
+    def init_weight_transfer_engine(self, init_infos: list[dict[str, Any]]) -> list[str]:
+        """Returns the dtype each replica serves its weights in."""
+        ...
 
     def start_weight_update(self) -> None: ...
 
@@ -58,12 +68,13 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return full_tensor() if callable(full_tensor) else tensor
 
 
-def update_info_of(model: torch.nn.Module) -> TransferUpdate:
-    """What will be sent, from the global shapes alone (no gather)."""
+def update_info_of(model: torch.nn.Module, served: Sequence[str] = ()) -> TransferUpdate:
+    """What will be sent to replicas serving the dtypes ``served``, from the global shapes alone (no
+    gather): each tensor in its ``wire_dtype``."""
     names, dtypes, shapes = [], [], []
     for name, param in model.named_parameters():
         names.append(name)
-        dtypes.append(str(param.dtype).removeprefix("torch."))
+        dtypes.append(wire_dtype(str(param.dtype).removeprefix("torch."), served))
         shapes.append(list(param.shape))
     return TransferUpdate(names=names, dtype_names=dtypes, shapes=shapes)
 
@@ -71,10 +82,15 @@ def update_info_of(model: torch.nn.Module) -> TransferUpdate:
 def packed_buckets(
     model: torch.nn.Module, update: TransferUpdate, bucket_bytes: int
 ) -> Iterator[torch.Tensor]:
-    """Each bucket as one host ``uint8`` tensor, gathering its tensors on the way (every rank iterates)."""
+    """Each bucket as one host ``uint8`` tensor, gathering its tensors on the way (every rank iterates, in
+    the same parameter order), each cast to its wire dtype (round to nearest even, as a load's copy)."""
     params = [param for _, param in model.named_parameters()]
+    wire = [getattr(torch, name) for name in update.dtype_names]
     for bucket in plan_buckets(update.sizes(), bucket_bytes):
-        parts = [_full(params[i].detach()).contiguous().view(-1).view(torch.uint8).cpu() for i in bucket]
+        parts = [
+            _full(params[i].detach()).to(wire[i]).contiguous().view(-1).view(torch.uint8).cpu()
+            for i in bucket
+        ]
         yield torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
@@ -85,6 +101,7 @@ class BroadcastSender:
         self.model, self.client, self.bucket_bytes = model, client, bucket_bytes
         self.group: dist.ProcessGroupGloo | None = None
         self._store: dist.TCPStore | None = None  # rank 0's rendezvous; outlives the group's join
+        self.served_dtypes: tuple[str, ...] = ()  # rank 0: what each replica answered its init
 
     @property
     def is_sender(self) -> bool:
@@ -127,53 +144,93 @@ class BroadcastSender:
         # The replicas block in their init until every rank has joined, and so does this rank: together.
         # A replica that refuses the init never joins, so its error is raised at once, not at the timeout
         # (the join left waiting then fails on its own when the timeout passes).
-        pool = ThreadPoolExecutor(max_workers=2)
-        try:
-            inited = pool.submit(client.init_weight_transfer_engine, infos)
-            joined = pool.submit(dist.ProcessGroupGloo, store, 0, world_size, options)
-            both: list[Future[Any]] = [inited, joined]
-            wait(both, return_when=FIRST_EXCEPTION)
-            inited.result()
-            sender.group = joined.result()
-        finally:
-            pool.shutdown(wait=False)
+        # Daemon threads: a join left waiting must not hold the process at exit until the timeout.
+        inited = _in_daemon_thread(client.init_weight_transfer_engine, infos)
+        joined = _in_daemon_thread(dist.ProcessGroupGloo, store, 0, world_size, options)
+        wait([inited, joined], return_when=FIRST_EXCEPTION)
+        sender.served_dtypes = tuple(inited.result())
+        sender.group = joined.result()
         sender._store = store
         return sender
 
     def send_weights(self, weight_version: str | None = None) -> SendReport | None:
         """Push the model's parameters to every replica: start (they pause), update concurrently with the
-        broadcast, finish (they resume, their versions move). The sender's report; None on other ranks."""
-        update = update_info_of(self.model)
+        broadcast, finish (they resume, their versions move). The sender's report; None on other ranks.
+
+        On a failure (a replica refuses a step, its connection breaks) the sender still runs every gather
+        (the other trainer ranks take part in them, in order), destroys the group (so the replicas still
+        receiving fail at once, not at the group's timeout: a new ``trainer_init`` is then needed), lets the
+        replicas resume, and raises: a replica that did not get the whole update keeps its version."""
+        update = update_info_of(self.model, self.served_dtypes)
         if self.client is None:
             for _ in packed_buckets(self.model, update, self.bucket_bytes):
                 pass
             return None
         assert self.group is not None, "trainer_init first"
         started = time.perf_counter()
-        self.client.start_weight_update()
         sent = buckets = 0
+        broadcast_seconds = 0.0
+        pool = ThreadPoolExecutor(max_workers=1)
         try:
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                receiving = pool.submit(self.client.update_weights, update.model_dump())
-                broadcast_started = time.perf_counter()
-                for packed in packed_buckets(self.model, update, self.bucket_bytes):
-                    if receiving.done():  # refused before its receive began: nobody is listening
+            failure: BaseException | None = None
+            try:
+                self.client.start_weight_update()
+            except BaseException as exc:  # noqa: BLE001 - raised below, once the gathers are done
+                failure = exc
+            receiving = None if failure else pool.submit(self.client.update_weights, update.model_dump())
+            broadcast_started = time.perf_counter()
+            for packed in packed_buckets(self.model, update, self.bucket_bytes):
+                if failure is not None:
+                    continue  # drain: the other trainer ranks gather this bucket too
+                try:
+                    if receiving is not None and receiving.done():  # refused before its receive began
                         receiving.result()
+                    # No local name for the group: `failure` keeps this frame, and the group must die.
                     self.group.broadcast(packed, 0).wait()  # type: ignore[attr-defined]  # stubs lack it
-                    sent += packed.numel()
-                    buckets += 1
-                broadcast_seconds = time.perf_counter() - broadcast_started
+                except BaseException as exc:  # noqa: BLE001 - raised below
+                    failure = exc
+                    self.shutdown()  # the replicas still receiving fail now, not at the timeout
+                    continue
+                sent += packed.numel()
+                buckets += 1
+            broadcast_seconds = time.perf_counter() - broadcast_started
+            if receiving is not None:
                 receiving.result()
+            if failure is not None:
+                raise failure
         except BaseException:
             # Unpause the replicas: those that failed keep their version (and refuse to serve weights
             # half-received until a checkpoint reload); the caller decides what the failure means.
+            self.shutdown()
             with contextlib.suppress(Exception):
                 self.client.finish_weight_update(weight_version)
             raise
+        finally:
+            pool.shutdown(wait=False)
         versions = self.client.finish_weight_update(weight_version)
         return SendReport(time.perf_counter() - started, broadcast_seconds, sent, buckets, versions)
 
     def shutdown(self) -> None:
-        if self.group is not None:
-            self.group.shutdown()
-            self.group = None
+        """Close the group's connections, so that a replica still receiving fails at once. gloo's own
+        ``shutdown()`` and ``abort()`` leave them open (the peer then waits out the group's timeout): only
+        the group's destruction closes them, so no reference to it may outlive this call."""
+        group, self.group = self.group, None
+        if group is not None:
+            with contextlib.suppress(Exception):  # a group whose peer is gone may fail its own shutdown
+                group.shutdown()
+
+
+def _in_daemon_thread(function: Any, *args: Any) -> Future[Any]:
+    """`function(*args)` on a daemon thread, its outcome in the returned future."""
+    future: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(function(*args))
+        except BaseException as exc:  # the caller re-raises it from the future
+            future.set_exception(exc)
+
+    threading.Thread(
+        target=run, name=f"weight-broadcast-{getattr(function, '__name__', 'call')}", daemon=True
+    ).start()
+    return future

@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 
-from rawmm.contract.engine_api import WeightsResponse
-from rawmm.contract.weight_transfer import FINISH_PATH, INIT_PATH, START_PATH, UPDATE_PATH
+from rawmm.contract.engine_api import WEIGHTS_PATH, WeightsResponse
+from rawmm.contract.weight_transfer import FINISH_PATH, INIT_PATH, START_PATH, UPDATE_PATH, InitResponse
 from rawmm.contract.weights_token import auth_headers
 
 
@@ -52,9 +52,10 @@ class HttpWeightSyncClient:
         ]
         return [future.result() for future in futures]
 
-    def init_weight_transfer_engine(self, init_infos: Sequence[dict[str, Any]]) -> None:
-        """One init info per replica (each takes its own rank)."""
-        self._all(INIT_PATH, [{"init_info": info} for info in init_infos])
+    def init_weight_transfer_engine(self, init_infos: Sequence[dict[str, Any]]) -> list[str]:
+        """One init info per replica (each takes its own rank); the dtype each replica serves."""
+        answers = self._all(INIT_PATH, [{"init_info": info} for info in init_infos])
+        return [InitResponse.model_validate(answer).served_dtype for answer in answers]
 
     def start_weight_update(self) -> None:
         self._all(START_PATH, [None] * len(self.urls))
@@ -69,6 +70,18 @@ class HttpWeightSyncClient:
             url: WeightsResponse.model_validate(answer).weights_version
             for url, answer in zip(self.urls, answers, strict=True)
         }
+
+    def load_weights(self, path: str) -> dict[str, int | WeightSyncFailed]:
+        """Every replica loads the checkpoint at ``path`` (``/v1/rawmm/weights``, concurrently): its new
+        weights version by URL, or why it did not (the others load it all the same)."""
+        futures = [self._pool.submit(self._post, url, WEIGHTS_PATH, {"path": path}) for url in self.urls]
+        results: dict[str, int | WeightSyncFailed] = {}
+        for url, future in zip(self.urls, futures, strict=True):
+            try:
+                results[url] = WeightsResponse.model_validate(future.result()).weights_version
+            except WeightSyncFailed as exc:
+                results[url] = exc
+        return results
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
