@@ -80,9 +80,11 @@ def offload_usage(scrapes: list[dict[str, float]]) -> OffloadUsage | None:
 class ProgressReader:
     """Scrapes a run's trainer and engine pods; remembers the last cache counters per run."""
 
-    def __init__(self, api: KubeApi, *, timeout: float = 2.0) -> None:
+    def __init__(self, api: KubeApi, *, timeout: float = 2.0, last_timeout: float = 10.0) -> None:
         self.api = api
         self.timeout = timeout
+        # The read that ends a run is its one chance: its engines may be busy loading the last weights.
+        self.last_timeout = last_timeout
         self._last: dict[tuple[str, str], _Lookups] = {}
 
     def forget(self, namespace: str, run: str) -> None:
@@ -102,8 +104,8 @@ class ProgressReader:
     def read(self, namespace: str, run: str, previous: Progress, *, last: bool = False) -> Progress:
         """The run's progress: the trainer step, and the hit rate of the engines' lookups since the read
         before (counters that only ever grew before it are not this run's recent behaviour). `last`, the read
-        as the run ends: with no read before it that saw the engines (a short run ends between two reads),
-        the rate of every lookup they counted."""
+        as the run ends, waits longer for slow pods and, when no earlier pair of reads gave a rate (a short
+        run ends between two reads), gives the rate of every lookup the engines counted."""
         pods = self.api.list("Pod", namespace, {RUN_LABEL: run})
         by_component: dict[str, list[str]] = {ENGINE_COMPONENT: [], TRAINER_COMPONENT: [], GC_COMPONENT: []}
         for pod in pods:
@@ -111,7 +113,7 @@ class ProgressReader:
             url = metrics_url(pod, "http" if component == ENGINE_COMPONENT else "metrics")
             if component in by_component and url:
                 by_component[component].append(url)
-        with httpx.Client(timeout=self.timeout) as client:
+        with httpx.Client(timeout=self.last_timeout if last else self.timeout) as client:
             trainer = self._scrape(client, by_component[TRAINER_COMPONENT], {TRAINER_STEP})
             engines = self._scrape(
                 client, by_component[ENGINE_COMPONENT], {CACHE_HITS, CACHE_MISSES, CACHE_JOINS}
@@ -130,12 +132,12 @@ class ProgressReader:
             now = _Lookups(hits, lookups)
             before = self._last.get((namespace, run))
             self._last[(namespace, run)] = now
-            if before is None and last:
-                before = _Lookups(0.0, 0.0)
             if before is not None:
                 delta = _Lookups(now.hits - before.hits, now.lookups - before.lookups)
                 if delta.hits < 0 or delta.lookups < 0:  # an engine restarted: its counters began again
                     delta = now
                 if delta.lookups > 0:
                     rate = round(delta.hits / delta.lookups, 4)
+            if rate is None and last and now.lookups > 0:
+                rate = round(now.hits / now.lookups, 4)
         return Progress(trainer_step=step, cache_hit_rate=rate, offload_usage=offload_usage(gc))

@@ -221,12 +221,12 @@ def test_a_cpu_rlrun_trains_to_succeeded_in_real_pods(
     ran |= {c["image"] for c in engines["spec"]["template"]["spec"]["containers"]}
     assert ran == {f"{REGISTRY}/rawmm-{name}:{TAG}" for name in ("trainer", "inference")}, ran
 
-    # The status carries what the operator scraped from the pods' /metrics while they ran: the trainer's step.
-    # The hit rate needs a read of the engine after its traffic, and the run's last read meets the engine
-    # reloading the final checkpoint: under a loaded machine (make test) that read timed out and the status had
-    # none. Its computation is proven against real exporters in tests/operator/test_operator_progress.py.
+    # The status carries what the operator scraped from the pods' /metrics while they ran: the trainer's step
+    # and the engine's cache hit rate (maxTurns 3: a later turn resends the earlier images, hits). The
+    # run's last read may meet the engine reloading the final checkpoint on a loaded node: it waits longer
+    # and, if the run gave no window of its own, takes every lookup the engine counted.
     assert done["trainerStep"] == 2, done
-    assert done.get("cacheHitRate") is None or 0 < done["cacheHitRate"] <= 1, done
+    assert 0 < done.get("cacheHitRate", 0) <= 1, done
     # The orchestrator reached the engine by its per-replica DNS name and the engine answered on the weights
     # of every step: batch N was sampled on checkpoint N - 1 (max_async_level 1), reloaded from the claim.
     ((_, orchestrator_log),) = job_logs(real_node, namespace, "tiny-cpu-orchestrator")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -184,10 +185,11 @@ def test_hit_rate_after_an_engine_restart_counts_from_its_new_counters() -> None
         assert reader.read("ml", "exp", Progress(cache_hit_rate=0.9)).cache_hit_rate == 0.75
 
 
-def test_the_read_that_ends_a_run_never_seen_before_gives_every_lookup_the_engines_counted() -> None:
+def test_the_read_that_ends_a_run_without_a_rate_gives_every_lookup_the_engines_counted() -> None:
     """A short run can end between two reads: its engines' traffic then fell in no window, and its status
-    would show no hit rate at all. The last read, with no read before it that saw the engines, takes every
-    lookup they counted; a read that is not the last still waits for a second one."""
+    would show no hit rate at all. The last read, when no earlier pair of reads gave a rate (none saw the
+    engines, or one did but none after it saw a lookup), takes every lookup they counted; a read that is
+    not the last still waits for a window."""
     api = PodList()
     with exporters(1) as (engine,):
         Counter("rawmm_materialize_cache_hits", "", registry=engine.registry).inc(30)
@@ -195,3 +197,33 @@ def test_the_read_that_ends_a_run_never_seen_before_gives_every_lookup_the_engin
         api.pods = [pod("exp-engine-0", "engine", "http", engine.port)]
         assert ProgressReader(api).read("ml", "exp", Progress()).cache_hit_rate is None
         assert ProgressReader(api).read("ml", "exp", Progress(), last=True).cache_hit_rate == 0.75
+        seen = ProgressReader(api)
+        assert seen.read("ml", "exp", Progress()).cache_hit_rate is None  # its traffic all came before
+        assert seen.read("ml", "exp", Progress()).cache_hit_rate is None  # none since
+        assert seen.read("ml", "exp", Progress(), last=True).cache_hit_rate == 0.75
+        # a rate the run had stands: the last window simply saw no lookups
+        assert seen.read("ml", "exp", Progress(cache_hit_rate=0.5), last=True).cache_hit_rate == 0.5
+
+
+class SlowCollector:
+    """A collector that answers after `delay` seconds, as a pod's endpoint on a loaded node."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def collect(self) -> Iterator[Any]:
+        time.sleep(self.delay)
+        return iter(())
+
+
+def test_the_read_that_ends_a_run_waits_longer_for_a_slow_pod() -> None:
+    """The last read is the run's only chance to be seen: it waits `last_timeout` where the others give up."""
+    api = PodList()
+    with exporters(1) as (engine,):
+        Counter("rawmm_materialize_cache_hits", "", registry=engine.registry).inc(3)
+        Counter("rawmm_materialize_cache_misses", "", registry=engine.registry).inc(1)
+        engine.registry.register(SlowCollector(0.5))  # type: ignore[arg-type]
+        api.pods = [pod("exp-engine-0", "engine", "http", engine.port)]
+        reader = ProgressReader(api, timeout=0.1, last_timeout=5.0)
+        assert reader.read("ml", "exp", Progress()).cache_hit_rate is None  # timed out: nothing read
+        assert reader.read("ml", "exp", Progress(), last=True).cache_hit_rate == 0.75
