@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from rawmm.contract.weight_transfer import (
+    ITEMSIZE,
     TransferInit,
     TransferUpdate,
+    dtype_name,
     loads_into,
     plan_buckets,
     served_dtype_of,
     wire_dtype,
 )
+
+
+def test_a_torch_dtype_is_named_as_the_wire_names_it() -> None:
+    """Every wire name is some torch dtype's name: what the trainer sends, a replica answers and reads."""
+    for name in ITEMSIZE:
+        assert dtype_name(getattr(torch, name)) == name
+        assert torch.empty(0, dtype=getattr(torch, name)).element_size() == ITEMSIZE[name]
 
 
 def test_buckets_fill_past_the_limit_and_keep_every_tensor_once_in_order() -> None:

@@ -39,6 +39,11 @@ FLOATING = frozenset({"float64", "float32", "bfloat16", "float16"})
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
 
 
+def dtype_name(dtype: object) -> str:
+    """A torch dtype's wire name (``torch.bfloat16`` -> ``bfloat16``), without importing torch."""
+    return str(dtype).removeprefix("torch.")
+
+
 class TransferInit(BaseModel):
     """Where the sender's rendezvous is and which rank this replica takes (vLLM's
     ``NCCLWeightTransferInitInfo``: ``master_address``, ``master_port``, ``rank_offset``, ``world_size``)."""

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from rawmm.contract.engine_api import Sampling
-from rawmm.contract.weight_transfer import TransferInit, TransferUpdate, served_dtype_of
+from rawmm.contract.weight_transfer import TransferInit, TransferUpdate, dtype_name, served_dtype_of
 from rawmm.materialize import LoadedProcessor, collate, get_adapter
 from rawmm.materialize.normalize import PixelNormalizer
 from rawmm.serving.engine import Engine, EngineUnavailable, Generation, ImageInput, InvalidRequest
@@ -179,7 +179,7 @@ class TransformersEngine(Engine):
         if self._receiver is not None:  # a new sender (the trainer restarted) replaces the old group
             self._receiver.shutdown()
         self._receiver = receiver
-        return served_dtype_of(str(param.dtype).removeprefix("torch.") for param in self.model.parameters())
+        return served_dtype_of(dtype_name(param.dtype) for param in self.model.parameters())
 
     async def start_weight_update(self) -> None:
         if self._receiver is None:

@@ -46,6 +46,7 @@ from rawmm.contract.weight_transfer import (
     DEFAULT_BUCKET_BYTES,
     TransferInit,
     TransferUpdate,
+    dtype_name,
     loads_into,
     served_dtype_of,
 )
@@ -228,7 +229,7 @@ class WorkerExtension:
     def rawmm_served_dtype(self) -> str:
         """The dtype the served model's floating weights may travel in (``served_dtype_of``)."""
         params = self.model_runner.model.parameters()
-        return served_dtype_of(str(param.dtype).removeprefix("torch.") for param in params)
+        return served_dtype_of(dtype_name(param.dtype) for param in params)
 
 
 def register() -> None:

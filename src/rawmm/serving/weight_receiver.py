@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from rawmm.contract.weight_transfer import TransferInit, TransferUpdate, loads_into, plan_buckets
+from rawmm.contract.weight_transfer import TransferInit, TransferUpdate, dtype_name, loads_into, plan_buckets
 
 # Takes one bucket's ``(name, tensor)`` pairs: vLLM's ``model.load_weights`` has this shape.
 Load = Callable[[list[tuple[str, torch.Tensor]]], None]
@@ -103,6 +103,6 @@ def fit_problem(update: TransferUpdate, params: Mapping[str, torch.Tensor]) -> s
         return "a tensor is sent twice"
     for name, dtype, shape in zip(update.names, update.dtype_names, update.shapes, strict=True):
         param = params[name]
-        if list(param.shape) != shape or not loads_into(dtype, str(param.dtype).removeprefix("torch.")):
+        if list(param.shape) != shape or not loads_into(dtype, dtype_name(param.dtype)):
             return f"{name}: sent {dtype} {shape}, served {param.dtype} {list(param.shape)}"
     return None

@@ -30,6 +30,7 @@ from rawmm.contract.weight_transfer import (
     DEFAULT_BUCKET_BYTES,
     TransferInit,
     TransferUpdate,
+    dtype_name,
     plan_buckets,
     wire_dtype,
 )
@@ -74,7 +75,7 @@ def update_info_of(model: torch.nn.Module, served: Sequence[str] = ()) -> Transf
     names, dtypes, shapes = [], [], []
     for name, param in model.named_parameters():
         names.append(name)
-        dtypes.append(wire_dtype(str(param.dtype).removeprefix("torch."), served))
+        dtypes.append(wire_dtype(dtype_name(param.dtype), served))
         shapes.append(list(param.shape))
     return TransferUpdate(names=names, dtype_names=dtypes, shapes=shapes)
 
