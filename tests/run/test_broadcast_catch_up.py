@@ -1,6 +1,7 @@
 """With `trainer.weight_transfer: broadcast`, a replica that missed an update catches up from the latest
-checkpoint before it serves again: two real transformers replicas, the trainer's end of the broadcast
-(`WeightPublisher`) and the orchestrator's replica pool, with one replica restarted between updates."""
+checkpoint before it serves again, and a restarted trainer sends nothing for the steps it trains again: two
+real transformers replicas, the trainer's end of the broadcast (`WeightPublisher`) and the orchestrator's
+replica pool, with one replica restarted between updates, then the trainer."""
 
 from __future__ import annotations
 
@@ -180,6 +181,30 @@ def test_a_replica_that_missed_updates_catches_up_from_the_checkpoint_before_it_
             == 200
         )
         assert generate(a)[:2] == served_3[:2]  # the broadcast weights are the checkpoint's, bit for bit
+
+        # The trainer restarts from step 2's checkpoint and trains step 3 again (the bits of a replay may
+        # differ: another seed here). The replicas hold step 3's weights already: nothing is sent, no
+        # version or weights_step moves back; step 4 goes to both by broadcast.
+        publisher.shutdown()
+        restarted = WeightPublisher(
+            model,
+            [a, b],
+            DistContext(rank=0, world_size=1, device=torch.device("cpu")),
+            sharded=False,
+            weights_step_path=config.weights_step_path,
+            bucket_bytes=256 * 1024,
+            timeout_s=60.0,
+        )
+        stack.callback(restarted.shutdown)
+        before = [generate(a), generate(b)]
+        train(model, seed=30)
+        held = restarted.send(3)
+        assert held.delivery == "held" and restarted.sender is None  # no group was even built
+        assert weights_step(config) == 3 and [generate(a), generate(b)] == before
+        train(model, seed=4)
+        sent = restarted.send(4)
+        assert sent.delivery == "broadcast" and set(sent.versions) == {a, b} and weights_step(config) == 4
+        assert generate(a)[:2] == generate(b)[:2] != before[0][:2]
 
 
 def pool_first(pool: ReplicaPool, key: str) -> str:

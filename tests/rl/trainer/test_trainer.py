@@ -170,4 +170,6 @@ def test_a_checkpoint_is_due_every_n_steps_on_the_last_and_whenever_the_broadcas
     due = [step for step in range(1, 8) if checkpoint_due(step, 3, 7, "broadcast")]
     assert due == [3, 6, 7]
     assert checkpoint_due(4, 3, 7, "reload") and checkpoint_due(4, 3, 9, "checkpoint")
+    assert not checkpoint_due(4, 3, 9, "held")  # a step trained again, its weights on the replicas already
+    assert checkpoint_due(9, 3, 9, "held")
     assert all(checkpoint_due(step, 1, 7, "broadcast") for step in range(1, 8))  # the default: every step

@@ -60,8 +60,9 @@ class TrainStepReport:
 
 def checkpoint_due(step: int, every: int, last_step: int, delivery: Delivery) -> bool:
     """Whether `step` writes a checkpoint: every `every` steps and on the run's last (what a resume reads),
-    and whenever its weights did not go out by broadcast (the replicas then load this step's checkpoint)."""
-    return step % every == 0 or step >= last_step or delivery != "broadcast"
+    and whenever its weights did not go out by broadcast (the replicas then load this step's checkpoint),
+    unless the replicas hold them already (a restarted trainer's step trained again: ``"held"``)."""
+    return step % every == 0 or step >= last_step or delivery not in ("broadcast", "held")
 
 
 def learning_rate_at(step: int, peak: float, warmup_steps: int) -> float:

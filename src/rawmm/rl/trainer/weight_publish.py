@@ -17,6 +17,12 @@ At the end of a step, after the optimizer step, every trainer rank calls ``send`
    ``weights_step``. A replica out of reach then is behind: the orchestrator's replica pool finds it (down,
    or answering on an older weights version) and has it load the latest checkpoint before it serves again.
 
+A trainer that restarts resumes from the latest checkpoint, which with ``trainer.checkpoint_every`` above 1
+(or a restart between a broadcast and its checkpoint) is behind ``weights_step``: the replicas already hold
+a newer step's weights. The steps it trains again up to ``weights_step`` send nothing (``"held"``): sending
+them would take the replicas, and ``weights_step``, back to older weights than the rollouts already sampled
+with; the first new step broadcasts as usual.
+
 Rank 0 needs the weights token (``$RAWMM_WEIGHTS_TOKEN``) and a network path both ways to every replica:
 the replicas connect to its rendezvous (``$RAWMM_WEIGHT_TRANSFER_ADDRESS``, by default this host's address
 on the route to the first replica; ``$RAWMM_WEIGHT_TRANSFER_PORT``, by default a free port), and it
@@ -40,6 +46,7 @@ import torch
 
 from rawmm.contract.engine_api import HEALTH_PATH
 from rawmm.contract.files import write_atomically
+from rawmm.contract.shared_dir import read_step
 from rawmm.contract.weight_transfer import DEFAULT_BUCKET_BYTES
 from rawmm.rl.trainer.distributed import DistContext, all_reduce_sum
 from rawmm.rl.trainer.weight_broadcast import BroadcastSender
@@ -51,8 +58,9 @@ ADDRESS_ENV = "RAWMM_WEIGHT_TRANSFER_ADDRESS"
 PORT_ENV = "RAWMM_WEIGHT_TRANSFER_PORT"
 
 # How this step's weights reached the replicas: sent, or (the send skipped or failed) reloaded from its
-# checkpoint; "checkpoint" on a run in checkpoint mode.
-Delivery = Literal["checkpoint", "broadcast", "reload"]
+# checkpoint; "held": a step a restarted trainer trains again, whose weights (or a later step's) the
+# replicas hold already; "checkpoint" on a run in checkpoint mode.
+Delivery = Literal["checkpoint", "broadcast", "reload", "held"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,8 @@ class WeightPublisher:
             local_address_towards(urls[0]) if dist.is_main else ""
         )
         self.master_port = int(os.environ.get(PORT_ENV, "0"))
+        # Read once, before this trainer's first update writes it: every rank reads the same shared file.
+        self.held_through = read_step(self.weights_step_path)
 
     @property
     def urls(self) -> list[str]:
@@ -112,6 +122,9 @@ class WeightPublisher:
 
     def send(self, step: int) -> Published:
         """Every rank, after the optimizer step: broadcast the weights if every replica is up."""
+        if step <= self.held_through:
+            log.info("weights of step %d: the replicas hold step %d's already", step, self.held_through)
+            return Published("held", 0.0, {})
         started = time.perf_counter()
         ready = self._ready() if self.dist.is_main else False
         if self.sharded and self.dist.world_size > 1:  # the others gather only if rank 0 sends
@@ -144,7 +157,7 @@ class WeightPublisher:
         """Rank 0's delivery of the step, on every rank (a collective: every rank calls it). Whether the step
         writes its checkpoint follows from it, and a checkpoint's gather and barrier take every rank, while
         only rank 0 knows whether the replicas got the weights (the others report a reload under DDP)."""
-        if self.dist.world_size == 1:
+        if self.dist.world_size == 1 or sent.delivery == "held":  # every rank holds the same step bound
             return sent.delivery
         sent_by_broadcast = self.dist.is_main and sent.delivery == "broadcast"
         flag = torch.tensor([1.0 if sent_by_broadcast else 0.0], dtype=torch.float64, device=self.dist.device)
