@@ -64,6 +64,19 @@ def train(model: Any, seed: int) -> None:
             param.add_(torch.randn(param.shape, generator=generator) * 0.05)
 
 
+def one_rank_publisher(model: Any, urls: list[str], config: RunConfig) -> WeightPublisher:
+    """A one-rank trainer's end of the broadcast to `urls`, in small buckets."""
+    return WeightPublisher(
+        model,
+        urls,
+        DistContext(rank=0, world_size=1, device=torch.device("cpu")),
+        sharded=False,
+        weights_step_path=config.weights_step_path,
+        bucket_bytes=256 * 1024,
+        timeout_s=60.0,
+    )
+
+
 def checkpoint(model: Any, base: Path, checkpoints: Path, step: int) -> Path:
     """What the trainer publishes after a step: `step_<N>/` (a from_pretrained dir), then `latest`."""
     path = checkpoint_dir(checkpoints, step)
@@ -98,15 +111,7 @@ def test_a_replica_that_missed_updates_catches_up_from_the_checkpoint_before_it_
         b_process = ExitStack()
         b = b_process.enter_context(replica(tiny_qwen2_vl, checkpoints, ports[1], tmp_path / "b" / "1.log"))
         stack.callback(b_process.close)
-        publisher = WeightPublisher(
-            model,
-            [a, b],
-            DistContext(rank=0, world_size=1, device=torch.device("cpu")),
-            sharded=False,
-            weights_step_path=config.weights_step_path,
-            bucket_bytes=256 * 1024,
-            timeout_s=60.0,
-        )
+        publisher = one_rank_publisher(model, [a, b], config)
         stack.callback(publisher.shutdown)
 
         # Step 1: both replicas up, the weights go by broadcast; weights_step moves before the checkpoint.
@@ -186,15 +191,7 @@ def test_a_replica_that_missed_updates_catches_up_from_the_checkpoint_before_it_
         # differ: another seed here). The replicas hold step 3's weights already: nothing is sent, no
         # version or weights_step moves back; step 4 goes to both by broadcast.
         publisher.shutdown()
-        restarted = WeightPublisher(
-            model,
-            [a, b],
-            DistContext(rank=0, world_size=1, device=torch.device("cpu")),
-            sharded=False,
-            weights_step_path=config.weights_step_path,
-            bucket_bytes=256 * 1024,
-            timeout_s=60.0,
-        )
+        restarted = one_rank_publisher(model, [a, b], config)
         stack.callback(restarted.shutdown)
         before = [generate(a), generate(b)]
         train(model, seed=30)
