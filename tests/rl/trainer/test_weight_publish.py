@@ -1,5 +1,6 @@
-"""`WeightPublisher.agreed_delivery`: every trainer rank learns rank 0's delivery of a step, so that all of
-them write its checkpoint, or none (the checkpoint's gather and barrier take every rank)."""
+"""Every trainer rank takes rank 0's view: its delivery of a step (`agreed_delivery`), so that all of them
+write its checkpoint, or none (the checkpoint's gather and barrier take every rank); and the replicas'
+`weights_step` a restarted trainer holds its replayed steps up to."""
 
 from __future__ import annotations
 
@@ -25,15 +26,20 @@ def _rank(rank: int, store_file: str, out_dir: str) -> None:
             ["http://127.0.0.1:9"],
             context,
             sharded=False,
-            weights_step_path=Path(out_dir) / "w",
+            # rank 0 sees the replicas at step 3 (a restarted trainer); rank 1 reads no file at all
+            weights_step_path=Path(out_dir) / f"weights_step{rank}",
         )
         agreed = [publisher.agreed_delivery(Published(case[rank], 0.0, {})) for case in CASES]  # type: ignore[arg-type]
         (Path(out_dir) / f"rank{rank}").write_text(",".join(agreed))
+        (Path(out_dir) / f"held{rank}").write_text(f"{publisher.held_through} {publisher.send(3).delivery}")
     finally:
         dist.destroy_process_group()
 
 
-def test_every_rank_takes_rank_0s_delivery(tmp_path: Path) -> None:
+def test_every_rank_takes_rank_0s_delivery_and_weights_step(tmp_path: Path) -> None:
+    (tmp_path / "weights_step0").write_text("3\n")
     mp.spawn(_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
     expected = ",".join(rank_0 for rank_0, _ in CASES)
     assert (tmp_path / "rank0").read_text() == (tmp_path / "rank1").read_text() == expected
+    # a step up to rank 0's weights_step is held on every rank: none sends, none waits for the others
+    assert (tmp_path / "held0").read_text() == (tmp_path / "held1").read_text() == "3 held"

@@ -113,8 +113,15 @@ class WeightPublisher:
             local_address_towards(urls[0]) if dist.is_main else ""
         )
         self.master_port = int(os.environ.get(PORT_ENV, "0"))
-        # Read once, before this trainer's first update writes it: every rank reads the same shared file.
-        self.held_through = read_step(self.weights_step_path)
+        # Read once, before this trainer's first update writes it. Rank 0's reading, on every rank: a rank
+        # that held a step while the others sent would leave them waiting in the send's collectives (and
+        # another node's NFS client may still cache an older file).
+        held = torch.tensor(
+            [float(read_step(self.weights_step_path)) if dist.is_main else 0.0],
+            dtype=torch.float64,
+            device=dist.device,
+        )
+        self.held_through = int(all_reduce_sum(held)[0])
 
     @property
     def urls(self) -> list[str]:
