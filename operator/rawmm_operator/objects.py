@@ -14,6 +14,9 @@ from rawmm_operator.spec import API_GROUP, API_VERSION, KIND, RLRunSpec
 
 RUN_LABEL = f"{API_GROUP}/run"
 COMPONENT_LABEL = "app.kubernetes.io/component"
+# On a claim that outlives its run (`retainOnDelete`): the uid of the RLRun that last applied it, which tells
+# an earlier run's claim from this run's (creation times have whole seconds only).
+RUN_UID_ANNOTATION = f"{API_GROUP}/run-uid"
 # Kueue admits a Job that carries this label; copied from the RLRun to its Jobs.
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 

@@ -24,7 +24,7 @@ from rawmm_operator.catalogue import Built, Stage
 from rawmm_operator.children.monitoring import DEFAULT_POD_MONITOR, PodMonitorSettings
 from rawmm_operator.kube import ApiError, KubeApi, apply, merge_patch
 from rawmm_operator.names import child_name
-from rawmm_operator.objects import RUN_LABEL, RunRef, owned_by, run_ref
+from rawmm_operator.objects import RUN_LABEL, RUN_UID_ANNOTATION, RunRef, owned_by, run_ref
 from rawmm_operator.pods import job_failed, job_finished, job_suspend, template_changed
 from rawmm_operator.progress import ProgressReader
 from rawmm_operator.spec import KIND, InvalidSpec, RLRunSpec, parse_spec
@@ -411,8 +411,11 @@ def _claim_conflict(
     if claim is None or spec.offload.existing_claim is not None or owned_by(claim, run):
         return None
     meta, claim_spec = claim["metadata"], claim.get("spec") or {}
-    # Older than the RLRun (RFC 3339 UTC times compare as text): made for an earlier run of this name.
-    earlier = bool(created) and str(meta.get("creationTimestamp") or "") < str(created)
+    uid = (meta.get("annotations") or {}).get(RUN_UID_ANNOTATION)
+    if uid is not None:  # the run that last applied it: an earlier run's claim made in the same second too
+        earlier = uid != run.uid
+    else:  # older than the RLRun (RFC 3339 UTC times compare as text): made for an earlier run of this name
+        earlier = bool(created) and str(meta.get("creationTimestamp") or "") < str(created)
     if not earlier or f"PersistentVolumeClaim/{meta['name']}" not in applying.rejected:
         return None
     has = f"storageClassName {claim_spec.get('storageClassName')!r}, accessModes {claim_spec.get('accessModes')}"

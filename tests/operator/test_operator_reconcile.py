@@ -6,14 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from operator_samples import ISSUE_EXAMPLE, merged
+from operator_samples import CPU_ONLY, ISSUE_EXAMPLE, merged
 
 from rawmm_operator.catalogue import build_children
+from rawmm_operator.children.offload import build_offload_claim
 from rawmm_operator.objects import RunRef
 from rawmm_operator.pods import RUN_SUSPEND, job_suspend
-from rawmm_operator.reconcile import newest_event, stage_of
+from rawmm_operator.reconcile import _claim_conflict, newest_event, stage_of
 from rawmm_operator.spec import parse_spec
-from rawmm_operator.status import RLRunStatus
+from rawmm_operator.status import Applying, RLRunStatus
 
 RUN = RunRef(name="exp", namespace="ml", uid="u-1")
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:10:00Z"
@@ -85,3 +86,22 @@ def test_the_newest_event_says_why() -> None:
     ]
     assert newest_event(events) == 'ProvisioningFailed: storageclass "nfs" not found'
     assert newest_event([]) is None
+
+
+def test_a_retained_claim_is_told_from_an_earlier_runs_made_in_the_same_second() -> None:
+    """Creation times have whole seconds: a run deleted and applied again within the second its claim was
+    made (seen in make test) must still learn that the claim is the earlier run's. The claim names the run
+    that applied it; a claim without the name (an older operator's) is judged by its age."""
+    spec = parse_spec("exp", merged(CPU_ONLY, {"offload": {"retainOnDelete": True}}))
+    earlier, again = RunRef("exp", "ml", "uid-earlier"), RunRef("exp", "ml", "uid-again")
+    claim = build_offload_claim(earlier, spec)
+    second = "2026-12-06T17:10:41Z"
+    claim["metadata"]["creationTimestamp"] = second
+    refused = Applying(rejected={"PersistentVolumeClaim/exp-offload": "422: spec is immutable"})
+    message = _claim_conflict(again, second, spec, claim, refused)
+    assert message is not None and "left from an earlier run of this name" in message
+    assert _claim_conflict(earlier, second, spec, claim, refused) is None  # its own claim
+    assert _claim_conflict(again, second, spec, claim, Applying()) is None  # the server took the spec
+    del claim["metadata"]["annotations"]
+    assert _claim_conflict(again, second, spec, claim, refused) is None  # same second, no name: unknown
+    assert _claim_conflict(again, "2026-12-06T17:10:42Z", spec, claim, refused) is not None
