@@ -25,7 +25,7 @@ from rawmm_operator.children.monitoring import DEFAULT_POD_MONITOR, PodMonitorSe
 from rawmm_operator.kube import ApiError, KubeApi, apply, merge_patch
 from rawmm_operator.names import child_name
 from rawmm_operator.objects import RUN_LABEL, RUN_UID_ANNOTATION, RunRef, owned_by, run_ref
-from rawmm_operator.pods import job_failed, job_finished, job_suspend, template_changed
+from rawmm_operator.pods import job_finished, job_suspend, template_changed
 from rawmm_operator.progress import ProgressReader
 from rawmm_operator.spec import KIND, InvalidSpec, RLRunSpec, parse_spec
 from rawmm_operator.status import (
@@ -44,6 +44,7 @@ from rawmm_operator.status import (
     derive_status,
     invalid_spec_status,
     run_ended,
+    trainer_succeeded,
     transitions,
 )
 
@@ -338,10 +339,11 @@ class Reconciler:
             job for job in self.api.list(kind, run.namespace, {RUN_LABEL: run.name}) if owned_by(job, run)
         ]
         trainer = child_name(run.name, "trainer")
-        failure = not any(
-            job["metadata"]["name"] == trainer and job_finished(job) and not job_failed(job) for job in jobs
-        )
         pods = self.api.list("Pod", run.namespace, {RUN_LABEL: run.name})
+        # As the status reads it: the trainer's pod Succeeded may come before the Job's Complete.
+        failure = not any(
+            job["metadata"]["name"] == trainer and trainer_succeeded(job, _pods_of(job, pods)) for job in jobs
+        )
         now = utc_now()
         for job in jobs:
             if job_finished(job) or (job.get("spec") or {}).get("suspend"):

@@ -256,6 +256,11 @@ def job_summary(job: dict[str, Any] | None, pods: Pods = ()) -> tuple[JobSummary
     return JobSummary(state="Pending", **counts), "Pending", "waiting for its pods"
 
 
+def trainer_succeeded(job: dict[str, Any] | None, pods: Pods = ()) -> bool:
+    """Whether the trainer Job succeeded, read as the run's status reads it (its pods first)."""
+    return job_summary(job, pods)[0].state == "Succeeded"
+
+
 class _Check(NamedTuple):
     type: str
     ok: bool

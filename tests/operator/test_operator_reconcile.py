@@ -12,9 +12,9 @@ from rawmm_operator.catalogue import build_children
 from rawmm_operator.children.offload import build_offload_claim
 from rawmm_operator.objects import RunRef
 from rawmm_operator.pods import RUN_SUSPEND, job_suspend
-from rawmm_operator.reconcile import _claim_conflict, newest_event, stage_of
+from rawmm_operator.reconcile import Outcome, Reconciler, _claim_conflict, newest_event, stage_of
 from rawmm_operator.spec import parse_spec
-from rawmm_operator.status import Applying, RLRunStatus
+from rawmm_operator.status import FINISH_GRACE_SECONDS, STOP_DEADLINE_SECONDS, Applying, RLRunStatus
 
 RUN = RunRef(name="exp", namespace="ml", uid="u-1")
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:10:00Z"
@@ -105,3 +105,43 @@ def test_a_retained_claim_is_told_from_an_earlier_runs_made_in_the_same_second()
     del claim["metadata"]["annotations"]
     assert _claim_conflict(again, second, spec, claim, refused) is None  # same second, no name: unknown
     assert _claim_conflict(again, "2026-12-06T17:10:42Z", spec, claim, refused) is not None
+
+
+class Recorded:
+    """The calls `_release` makes: lists answered from fixed objects, patches recorded."""
+
+    def __init__(self, objects: dict[str, list[dict[str, Any]]]) -> None:
+        self.objects = objects
+        self.patches: dict[str, dict[str, Any]] = {}
+
+    def list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        return self.objects.get(kind, [])
+
+    def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any]) -> None:
+        self.patches[name] = body
+
+
+def _owned(name: str, uid: str, owner_uid: str) -> dict[str, Any]:
+    return {"metadata": {"name": name, "uid": uid, "ownerReferences": [{"uid": owner_uid}]}}
+
+
+@pytest.mark.parametrize(("trainer_pod_phase", "stopped"), [("Succeeded", False), ("Failed", True)])
+def test_a_trainer_whose_pod_succeeded_before_its_job_completed_gives_the_others_their_grace(
+    trainer_pod_phase: str, stopped: bool
+) -> None:
+    """The run's status counts the trainer a success once its pod has Succeeded, before the Job controller
+    marks the Job Complete; the release in that same pass must read it so too, or it stops the orchestrator
+    (cutting its last weights sync) as after a failure."""
+    trainer = {**_owned("exp-trainer", "t-1", RUN.uid), "status": {"active": 1}}
+    orchestrator = {**_owned("exp-orchestrator", "o-1", RUN.uid), "status": {"active": 1}}
+    pods = [
+        {**_owned("exp-trainer-abc", "tp", "t-1"), "status": {"phase": trainer_pod_phase, "startTime": T0}},
+        {**_owned("exp-orchestrator-abc", "op", "o-1"), "status": {"phase": "Running", "startTime": T0}},
+    ]
+    api = Recorded({"Job": [trainer, orchestrator], "Pod": pods})
+    Reconciler(api)._release(RUN, "Job", Outcome({}, RLRunStatus(), []))  # type: ignore[arg-type]
+    deadline = api.patches["exp-orchestrator-abc"]["spec"]["activeDeadlineSeconds"]
+    if stopped:
+        assert deadline == STOP_DEADLINE_SECONDS
+    else:
+        assert deadline >= FINISH_GRACE_SECONDS  # its age so far, plus the grace
