@@ -28,19 +28,19 @@ def test_ratio_is_clipped_only_in_the_direction_of_the_advantage():
     assert parts.loss.item() == pytest.approx((-1.28 + 1.5 - 0.5 + 0.8) / 4)
     # d(-r*A)/d(log r) = -r*A, divided by the 4 step tokens.
     assert grad.tolist() == pytest.approx([0.0, 1.5 / 4, -0.5 / 4, 0.0])
-    assert (parts.clipped_tokens, parts.tokens) == (2, 4)
-    assert parts.abs_logprob_diff == pytest.approx(2 * math.log(1.5) + 2 * -math.log(0.5))
+    assert (parts.clipped_tokens.item(), parts.tokens.item()) == (2, 4)
+    assert parts.abs_logprob_diff.item() == pytest.approx(2 * math.log(1.5) + 2 * -math.log(0.5))
     # k3: r - 1 - log r per token, never negative
-    assert parts.kl_estimate == pytest.approx(2 * (0.5 - math.log(1.5)) + 2 * (-0.5 - math.log(0.5)))
+    assert parts.kl_estimate.item() == pytest.approx(2 * (0.5 - math.log(1.5)) + 2 * (-0.5 - math.log(0.5)))
 
 
 def test_masked_tokens_contribute_nothing_and_step_tokens_normalize():
     parts, grad = loss_of([2.0, 1.0, 3.0], [5.0, 1.0, -7.0], [False, True, False], step_tokens=4)
     assert parts.loss.item() == pytest.approx(-1.0 / 4)
     assert grad.tolist() == pytest.approx([0.0, -1.0 / 4, 0.0])
-    assert (parts.clipped_tokens, parts.tokens) == (0, 1)
-    assert parts.abs_logprob_diff == 0.0  # only the unmasked token counts, and its ratio is 1
-    assert parts.kl_estimate == 0.0
+    assert (parts.clipped_tokens.item(), parts.tokens.item()) == (0, 1)
+    assert parts.abs_logprob_diff.item() == 0.0  # only the unmasked token counts, and its ratio is 1
+    assert parts.kl_estimate.item() == 0.0
 
 
 def test_the_kl_estimate_resolves_on_policy_numerics():
@@ -57,7 +57,7 @@ def test_the_kl_estimate_resolves_on_policy_numerics():
         step_tokens=4,
     )
     d = float(new[0].double() + 1.0)
-    assert parts.kl_estimate == pytest.approx(4 * d * d / 2, rel=1e-3)
+    assert parts.kl_estimate.item() == pytest.approx(4 * d * d / 2, rel=1e-3)
 
 
 def test_on_policy_loss_is_the_negative_mean_advantage():

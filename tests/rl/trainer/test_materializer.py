@@ -197,7 +197,7 @@ def loss_and_grads(model, materializer, batch: PackedMicroBatch, step_tokens: in
     )
     parts.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return parts.loss.detach(), grads, parts.tokens
+    return parts.loss.detach(), grads, int(parts.tokens)
 
 
 def test_zero_loss_leaves_neighbours_loss_and_gradients_unchanged(make, tiny_qwen2_vl):

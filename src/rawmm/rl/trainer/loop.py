@@ -257,11 +257,7 @@ class Trainer:
             step_tokens=step_tokens,
         )
         parts.loss.backward()
-        return torch.tensor(
-            [parts.loss.item(), parts.clipped_tokens, parts.abs_logprob_diff, parts.kl_estimate],
-            dtype=torch.float64,
-            device=device,
-        )
+        return parts.summary()
 
     def _checkpoint(self, step: int) -> Path:
         return save_checkpoint(

@@ -10,17 +10,25 @@ import torch
 @dataclass(frozen=True)
 class LossParts:
     """`loss` is a sum over masked tokens divided by the step's token count, so micro-batch (and
-    data-parallel rank) losses add up to the step's mean loss and their gradients add up likewise."""
+    data-parallel rank) losses add up to the step's mean loss and their gradients add up likewise.
+
+    Every part is a 0-dim tensor on the loss's device: reading one makes the host wait for the device, so a
+    trainer adds up `summary()` over its micro-batches and reads the sum once per step."""
 
     loss: torch.Tensor
-    clipped_tokens: int
-    tokens: int
+    clipped_tokens: torch.Tensor
+    tokens: torch.Tensor
     # Sum over loss tokens of |new - old| logprob: near 0 on-policy unless the trainer and the engine
     # disagree (other pixels, other numerics) — the first thing to look at when training goes wrong.
-    abs_logprob_diff: float
+    abs_logprob_diff: torch.Tensor
     # Sum over loss tokens of exp(d) - 1 - d, d = new - old: the "k3" estimator of KL(old || new), unbiased on
     # the sampled tokens and never negative; on-policy it measures the engine-trainer mismatch.
-    kl_estimate: float
+    kl_estimate: torch.Tensor
+
+    def summary(self) -> torch.Tensor:
+        """[loss, clipped tokens, |logprob diff| sum, KL estimate sum]: float64, detached, on the device."""
+        parts = (self.loss.detach(), self.clipped_tokens, self.abs_logprob_diff, self.kl_estimate)
+        return torch.stack([part.to(torch.float64) for part in parts])
 
 
 def policy_gradient_loss(
@@ -47,9 +55,9 @@ def policy_gradient_loss(
     diff = (new_logprobs - old_logprobs).detach().masked_fill(~mask, 0.0)
     return LossParts(
         loss=loss,
-        clipped_tokens=int(clipped.sum()),
-        tokens=int(mask.sum()),
-        abs_logprob_diff=float(diff.abs().sum()),
+        clipped_tokens=clipped.sum(),
+        tokens=mask.sum(),
+        abs_logprob_diff=diff.abs().sum(),
         # in float64 with expm1: on-policy d is ~1e-7, where float32 exp(d) - 1 cancels to rounding noise
-        kl_estimate=float((torch.expm1(diff.double()) - diff.double()).sum()),
+        kl_estimate=(torch.expm1(diff.double()) - diff.double()).sum(),
     )
