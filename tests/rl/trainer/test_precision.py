@@ -40,3 +40,4 @@ def test_a_one_gpu_run_computes_in_bf16_and_keeps_fp32_state(make_config: Callab
     assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
     moments = [t for state in trainer.optimizer.state.values() for k, t in state.items() if k != "step"]
     assert moments and {t.dtype for t in moments} == {torch.float32}
+    assert all(group["fused"] for group in trainer.optimizer.param_groups)  # one kernel for every parameter

@@ -112,8 +112,12 @@ class Trainer:
             # transformers' decorator on PreTrainedModel.to declares the model as its first argument
             self.model.to(dist.device)  # type: ignore[arg-type]
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
+        # On GPU one fused kernel updates every parameter (one launch per step, not several per tensor).
         self.optimizer = torch.optim.AdamW(
-            self.parameters, lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+            self.parameters,
+            lr=cfg.learning_rate,
+            weight_decay=cfg.weight_decay,
+            fused=True if dist.device.type == "cuda" else None,
         )
         # Resume from the newest checkpoint: its weights, AdamW moments and step, as the run left them.
         self.step = latest_step(config.checkpoints_dir)
