@@ -324,6 +324,11 @@ class TrainerConfig(StrictModel):
         default=False,
         description="recompute each layer's activations in backward: less memory for about one more forward",
     )
+    compile: bool = Field(
+        default=False,
+        description="compile each decoder layer and vision block with torch.compile: fewer, fused kernels for "
+        "their elementwise work, after a first step that spends tens of seconds compiling",
+    )
     batch_timeout_seconds: int = Field(
         default=7200,
         ge=1,

@@ -15,10 +15,13 @@ from PIL import Image
 
 from rawmm.config import RunConfig
 from rawmm.contract import OffloadStore, RawImageDescriptor
+from rawmm.materialize import load_processor
 from rawmm.rl.batches import write_batch
 from rawmm.rl.orchestrator.rollout import PromptRenderer
 from rawmm.rl.samples import RolloutBatch, Sample, completion_sample
 from rawmm.rl.trainer.forward import forward_logprobs
+from rawmm.rl.trainer.loss import policy_gradient_loss
+from rawmm.rl.trainer.materializer import MaterializedMicroBatch, RawImageMaterializer
 from rawmm.rl.trainer.packing import concat_samples
 
 
@@ -50,7 +53,7 @@ class RolloutFactory:
     def __init__(self, config: RunConfig) -> None:
         from transformers import AutoModelForImageTextToText
 
-        from rawmm.materialize import get_adapter, load_processor
+        from rawmm.materialize import get_adapter
 
         self.config = config
         self.renderer = PromptRenderer(
@@ -130,3 +133,59 @@ def torchrun_train(config_file: Path, steps: int) -> list[dict]:
     errors = [line for line in done.stderr.splitlines() if "Error" in line or "error" in line]
     assert done.returncode == 0, "\n".join(errors[-30:]) + "\n...\n" + done.stderr[-2000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"')]
+
+
+def shared_image_micro_batch(
+    model_dir: Path, preset: str, store: OffloadStore
+) -> tuple[MaterializedMicroBatch, RawImageMaterializer]:
+    """Three samples of a group sharing its prompt image `a`, one also showing `b`, and one text-only:
+    5 placeholder spans of 2 distinct images."""
+    renderer = PromptRenderer(model_dir, preset, "pil", store)
+    a, b = random_image(84, 56, 1), random_image(56, 56, 2)
+
+    def sample(images, reply: str, advantage: float, sample_id: str):
+        content = [*({"type": "image", "image": im} for im in images), {"type": "text", "text": "what?"}]
+        prompt = renderer.render(renderer.offload([{"role": "user", "content": content}]))
+        tokens = renderer.tokenizer.encode(reply)
+        return completion_sample(
+            prompt, tokens, [-1.0] * len(tokens), advantage=advantage, sample_id=sample_id
+        )
+
+    samples = [
+        sample([a], " a red circle", 1.0, "r0"),
+        sample([a, b], " two blue", -1.0, "r1"),
+        sample([a, b], " a star", 0.5, "r2"),
+        sample([], " hello", 0.5, "text"),
+    ]
+    materializer = RawImageMaterializer(
+        load_processor(model_dir, backend="pil"), roots=[store.root], missing_image_policy="error"
+    )
+    materializer.begin_step(1)
+    return materializer.materialize(concat_samples(samples)), materializer
+
+
+def loss_and_grads(
+    model: torch.nn.Module, m: MaterializedMicroBatch, materializer: RawImageMaterializer, *, once: bool
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[int]]:
+    """The step's loss, every parameter's gradient, and the patch rows each vision-tower call saw."""
+    patches: list[int] = []
+    vision = model.get_encoder(modality="image")
+    hook = vision.register_forward_pre_hook(lambda _, args: patches.append(args[0].shape[0]))
+    kwargs, index = m.unique_mm_kwargs() if once else (m.mm_kwargs(), None)
+    model.zero_grad(set_to_none=True)
+    policy, normalizer = materializer.forward_policy, materializer.normalizer
+    new = forward_logprobs(model, m.batch, kwargs, policy, normalizer=normalizer, image_index=index)
+    mask = torch.tensor(m.batch.loss_mask)
+    parts = policy_gradient_loss(
+        new,
+        torch.tensor(m.batch.logprobs),
+        torch.tensor(m.batch.advantages),
+        mask,
+        clip_low=0.2,
+        clip_high=0.28,
+        step_tokens=int(mask.sum()),
+    )
+    parts.loss.backward()
+    hook.remove()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return parts.loss.detach(), grads, patches

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from rawmm.rl.trainer.blocks import repeated_blocks
 from rawmm.rl.trainer.precision import mixed_precision_policy
 
 if TYPE_CHECKING:
@@ -30,12 +31,9 @@ if TYPE_CHECKING:
 
 
 def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules that become FSDP units, innermost first, root last: the blocks transformers marks as
-    never-split (decoder layers, vision blocks), then the vision tower, then the model."""
-    block_classes = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in block_classes]
-    if not blocks:
-        raise TypeError(f"{type(model).__name__} names no decoder layers (_no_split_modules) to shard")
+    """The modules that become FSDP units, innermost first, root last: the repeated blocks (decoder layers,
+    vision blocks), then the vision tower, then the model."""
+    blocks = repeated_blocks(model)
     get_encoder = getattr(model, "get_encoder", None)  # transformers models have it; nn.Module does not
     vision = get_encoder(modality="image") if get_encoder is not None else model
     towers = [vision] if vision is not model else []

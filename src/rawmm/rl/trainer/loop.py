@@ -23,6 +23,7 @@ from rawmm.materialize import metrics as shared_metrics
 from rawmm.rl.batches import wait_for_batch
 from rawmm.rl.samples import RolloutBatch, truncate_sample
 from rawmm.rl.trainer import metrics
+from rawmm.rl.trainer.blocks import compile_blocks
 from rawmm.rl.trainer.checkpoint import resolve_model_dir, save_checkpoint
 from rawmm.rl.trainer.distributed import DistContext, all_reduce_gradients, all_reduce_sum
 from rawmm.rl.trainer.forward import encodes_images_once, forward_logprobs, sample_starts
@@ -103,6 +104,8 @@ class Trainer:
         self.model.train()
         if cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.compile:  # before FSDP: its hooks stay outside the compiled blocks
+            compile_blocks(self.model)
         if self.sharded:
             full_state = self.model.state_dict() if dist.is_main else {}
             shard_model(self.model, dist.device)
