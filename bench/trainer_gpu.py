@@ -18,6 +18,10 @@ Variants (each: one warm-up step, then `--steps` timed steps; checkpoint writes 
 - after_varlen: after_ddp with `rawmm_varlen` attention (varlen flash kernel, no mask);
 - after_logits / after_logits_varlen: after_ddp / after_varlen with the logits computed only where a loss
   token is predicted (the trainer's default now; the variants above set `Trainer.all_logits`);
+- after_compile: after_logits with `trainer.compile` (each decoder layer and vision block compiled; its
+  warm-up step compiles, budgeted by `--compile-seconds`);
+- after_compile_big: after_compile with `--big-micro-batch-tokens` per forward and activation checkpointing
+  (fewer, longer forwards; the recompute is not counted as useful FLOPs);
 - after_big_micro: after_logits with `--big-micro-batch-tokens` per forward (`--big-attn`), skipped when the
   last variant's activations scaled to it would not fit the GPU.
 Per variant: step time, tokens/s, rollouts/s, peak memory and MFU against `--peak-tflops`. MFU counts the
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import socket
@@ -61,6 +66,24 @@ REAL_TEXT = {
 }
 REAL_VISION = {"depth": 32, "embed_dim": 1280, "num_heads": 16, "mlp_ratio": 4, "hidden_size": 1536}
 REPLY = " click the search field, type the query and press enter"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a variant trains: which batch, how many tokens per forward, and how the trainer runs."""
+
+    side: str  # "before" (a sample per turn) or "after" (a sample per branch)
+    micro_tokens: int
+    sharded: bool  # FSDP2 on a one-rank group, or unsharded with bf16 autocast
+    attn: str
+    once: bool  # each image encoded once per micro-batch
+    all_logits: bool  # every token's logits, or only where a loss token is predicted
+    compile: bool = False
+    checkpointing: bool = False
+
+    def build(self) -> tuple[bool, bool, bool]:
+        """What only a new trainer changes."""
+        return self.sharded, self.compile, self.checkpointing
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -289,13 +312,17 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     parser.add_argument("--micro-batch-tokens", type=int, default=6144)
     parser.add_argument(
         "--variants",
-        default="before,after_fsdp,after_ddp,after_varlen,after_logits,after_logits_varlen,after_big_micro",
+        default="before,after_logits,after_compile,after_compile_big,after_fsdp,after_ddp,after_varlen,"
+        "after_logits_varlen,after_big_micro",
+    )
+    parser.add_argument(
+        "--compile-seconds", type=float, default=120.0, help="a compiled variant's budget for compiling"
     )
     parser.add_argument(
         "--big-micro-batch-tokens", type=int, help="after_big_micro's tokens per forward (default 2x)"
     )
     parser.add_argument("--big-attn", default="rawmm_varlen", help="after_big_micro's attention")
-    parser.add_argument("--profile", default="after_logits_varlen", help="the variant to profile one step of")
+    parser.add_argument("--profile", default="after_compile", help="the variant to profile one step of")
     parser.add_argument("--attn", default="sdpa,rawmm_varlen,flex_attention,flash_attention_2")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 peak (H200 measured)")
     parser.add_argument("--deadline", type=float, default=220.0, help="seconds from start")
@@ -385,9 +412,10 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     trainer: Any = None
     dims: dict[str, float] = {}
 
-    def make_trainer(sharded: bool) -> Any:
+    def make_trainer(plan: Plan) -> Any:
         nonlocal trainer
         trainer = None
+        sharded = plan.sharded
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -398,7 +426,13 @@ def main() -> None:  # noqa: PLR0915 - one linear script
             ctx = DistContext(rank=0, world_size=1, device=device)
         started = time.perf_counter()
         parallelism = "fsdp" if sharded else "ddp"
-        trainer_config = config.trainer.model_copy(update={"parallelism": parallelism})
+        trainer_config = config.trainer.model_copy(
+            update={
+                "parallelism": parallelism,
+                "compile": plan.compile,
+                "activation_checkpointing": plan.checkpointing,
+            }
+        )
         made = Trainer(config.model_copy(update={"trainer": trainer_config}), ctx)
         made._checkpoint = lambda step: work / f"no-checkpoint-{step}"  # type: ignore[method-assign]
         base = made.model.model
@@ -431,6 +465,7 @@ def main() -> None:  # noqa: PLR0915 - one linear script
             tied_lm_head=made.model.lm_head.weight is base.language_model.embed_tokens.weight,
             state_gib=round(torch.cuda.memory_allocated() / 2**30, 2) if cuda else None,
         )
+        made.plan_build = plan.build()
         trainer = made
         return made
 
@@ -439,24 +474,25 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     last_step = 0.0
     memory: dict[str, float] = {}  # the last variant's state and peak (GiB): the big micro-batch's estimate
 
-    def configure(sharded: bool, attn: str, once: bool, all_logits: bool, micro_tokens: int) -> Any:
-        if trainer is None or trainer.sharded != sharded:
-            make_trainer(sharded)
-        trainer.model.set_attn_implementation(attn)
-        trainer.encode_once = once
-        trainer.all_logits = all_logits
-        update = {"micro_batch_tokens": micro_tokens, "seq_len": max(micro_tokens, mbt)}
+    def configure(plan: Plan) -> Any:
+        if trainer is None or trainer.plan_build != plan.build():
+            make_trainer(plan)
+        trainer.model.set_attn_implementation(plan.attn)
+        trainer.encode_once = plan.once
+        trainer.all_logits = plan.all_logits
+        update = {"micro_batch_tokens": plan.micro_tokens, "seq_len": max(plan.micro_tokens, mbt)}
         trainer.config = config.model_copy(
             update={"trainer": trainer.config.trainer.model_copy(update=update)}
         )
         return trainer
 
-    def run_variant(name: str, side: str, micro_tokens: int, **how: Any) -> None:
+    def run_variant(name: str, plan: Plan) -> None:
         nonlocal last_step
-        configure(micro_tokens=micro_tokens, **how)
-        samples = batches[side]
+        configure(plan)
+        micro_tokens = plan.micro_tokens
+        samples = batches[plan.side]
         tokens = sum(len(s) for s in samples)
-        grids = encoded_images(samples, micro_tokens, once=how["once"])
+        grids = encoded_images(samples, micro_tokens, once=plan.once)
         patches = sum(t * h * w for t, h, w in grids)
         flops = step_flops(samples, grids, dims)
         rows = []
@@ -499,16 +535,20 @@ def main() -> None:  # noqa: PLR0915 - one linear script
         if cuda:
             memory["peak"] = torch.cuda.max_memory_allocated() / 2**30
 
-    # name: (side, micro-batch tokens, sharded, attention, each image once, every token's logits)
     big = args.big_micro_batch_tokens
-    plans: dict[str, tuple[str, int, bool, str, bool, bool]] = {
-        "before": ("before", mbt, True, "sdpa", False, True),
-        "after_fsdp": ("after", mbt, True, "sdpa", True, True),
-        "after_ddp": ("after", mbt, False, "sdpa", True, True),
-        "after_varlen": ("after", mbt, False, "rawmm_varlen", True, True),
-        "after_logits": ("after", mbt, False, "sdpa", True, False),
-        "after_logits_varlen": ("after", mbt, False, "rawmm_varlen", True, False),
-        "after_big_micro": ("after", big, False, args.big_attn, True, False),
+    after_logits = Plan("after", mbt, sharded=False, attn="sdpa", once=True, all_logits=False)
+    plans = {
+        "before": Plan("before", mbt, sharded=True, attn="sdpa", once=False, all_logits=True),
+        "after_fsdp": Plan("after", mbt, sharded=True, attn="sdpa", once=True, all_logits=True),
+        "after_ddp": dataclasses.replace(after_logits, all_logits=True),
+        "after_varlen": dataclasses.replace(after_logits, attn="rawmm_varlen", all_logits=True),
+        "after_logits": after_logits,
+        "after_logits_varlen": dataclasses.replace(after_logits, attn="rawmm_varlen"),
+        "after_compile": dataclasses.replace(after_logits, compile=True),
+        "after_compile_big": dataclasses.replace(
+            after_logits, micro_tokens=big, compile=True, checkpointing=True
+        ),
+        "after_big_micro": dataclasses.replace(after_logits, micro_tokens=big, attn=args.big_attn),
     }
 
     def too_big(micro_tokens: int) -> str | None:
@@ -524,19 +564,19 @@ def main() -> None:  # noqa: PLR0915 - one linear script
 
     for name in [v for v in args.variants.split(",") if v]:
         left = args.deadline - (time.perf_counter() - START)
-        if left < (args.steps + 1) * last_step * 1.5 + 20:
+        plan = plans[name]
+        compiling = args.compile_seconds if plan.compile else 0.0
+        if left < (args.steps + 1) * last_step * 1.5 + 20 + compiling:
             failed[name] = "skipped (deadline)"
             continue
-        side, micro_tokens, sharded, attn, once, all_logits = plans[name]
-        skip = too_big(micro_tokens) if micro_tokens != mbt else None
+        # activation checkpointing keeps about one layer's activations: the estimate does not apply
+        skip = too_big(plan.micro_tokens) if plan.micro_tokens != mbt and not plan.checkpointing else None
         if skip:
             failed[name] = skip
             emit("variant_skipped", variant=name, reason=skip)
             continue
         try:
-            run_variant(
-                name, side, micro_tokens, sharded=sharded, attn=attn, once=once, all_logits=all_logits
-            )
+            run_variant(name, plan)
         except Exception as exc:  # noqa: BLE001 - a variant's failure is a result
             failed[name] = f"{type(exc).__name__}: {exc}"[:300]
             emit("variant_error", variant=name, traceback=traceback.format_exc())
@@ -556,9 +596,9 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     print("SUMMARY: steps | " + " | ".join(parts) + (f" | failed {failed}" if failed else ""), flush=True)
     if args.profile and args.deadline - (time.perf_counter() - START) > 3 * last_step + 20:
         try:
-            side, micro_tokens, sharded, attn, once, all_logits = plans[args.profile]
-            configure(sharded, attn, once, all_logits, micro_tokens)
-            print("SUMMARY: " + profile_step(trainer, batches[side], args.profile, cuda), flush=True)
+            plan = plans[args.profile]
+            configure(plan)
+            print("SUMMARY: " + profile_step(trainer, batches[plan.side], args.profile, cuda), flush=True)
         except Exception as exc:  # noqa: BLE001 - the figures above stand without it
             emit("profile_error", traceback=traceback.format_exc())
             print(f"SUMMARY: profile | {type(exc).__name__}: {exc}"[:300], flush=True)
@@ -566,7 +606,7 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     attention: dict[str, dict[str, Any]] = {}
     try:
         if trainer is None or trainer.sharded:
-            make_trainer(False)
+            make_trainer(after_logits)
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the step figures above still stand
         print(f"SUMMARY: attention | no unsharded trainer: {type(exc).__name__}: {exc}"[:300], flush=True)
         sys.exit(1)
