@@ -248,10 +248,12 @@ def test_a_broadcast_rlrun_sends_every_steps_weights_from_the_trainer_pod_to_the
 ) -> None:
     """`trainer.weightTransfer: broadcast`: the engine pod joins the rendezvous the operator gives the trainer
     pod (its pod IP, port 29501) and takes every step's weights over the pod network, each step's batch
-    sampled on the weights the trainer broadcast after the step before."""
+    sampled on the weights the trainer broadcast after the step before. The trainer runs compiled
+    (`trainer.compile`): the trainer image carries the compiler it needs."""
     namespace, _ = model_claim
     run = cpu_run("broadcast", steps=3)
     run["spec"]["trainer"]["weightTransfer"] = "broadcast"
+    run["spec"]["trainer"]["compile"] = True  # the image's compiler, in a pod
     real_node.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(run))
     done = wait_phase(real_node, namespace, "broadcast", "Succeeded")
     assert done["trainerStep"] == 3, done
@@ -260,6 +262,7 @@ def test_a_broadcast_rlrun_sends_every_steps_weights_from_the_trainer_pod_to_the
     assert [(e["step"], e["weights_delivery"]) for e in trained] == [
         (step, "broadcast") for step in (1, 2, 3)
     ], trainer_log[-3000:]
+    assert all(e["compiled_blocks"] > 0 for e in trained), trained
     ((_, orchestrator_log),) = job_logs(real_node, namespace, "broadcast-orchestrator")
     sampled = events(orchestrator_log, "orchestrator_step")
     assert [(s["step"], s["weights_step"]) for s in sampled] == [(1, 0), (2, 1), (3, 2)], sampled

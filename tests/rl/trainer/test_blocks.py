@@ -83,6 +83,7 @@ def test_a_compiled_run_reproduces_its_batchs_logprobs(
     trainer = Trainer(make_config(compile=True), init_distributed())
     [result] = trainer.run(1, batch_timeout=5)
     assert compiled_graphs() > 0, "no graph was compiled"
+    assert result.compiled_blocks == len(repeated_blocks(trainer.model))  # the step line says so
     # the logprobs came from this very model, eager and fp32: as test_trainer's bound
     assert result.logprob_diff_mean < 1e-4 and result.clipped_fraction == 0.0
     assert torch.isfinite(torch.tensor(result.loss))

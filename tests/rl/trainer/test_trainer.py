@@ -29,6 +29,7 @@ def test_step_trains_towards_positive_advantages_and_checkpoints(rollouts, tiny_
     [result] = trainer.run(1, batch_timeout=5)
 
     assert result.step == 1 and torch.isfinite(torch.tensor(result.loss))
+    assert result.compiled_blocks == 0  # eager unless trainer.compile asks
     # The batch's logprobs came from this very model and pixels (fp32, CPU): the trainer reproduces them,
     # as exactly as its precision policy computes. fp32 (CPU): 1e-4 (measured 3e-8). bf16 compute (GPU):
     # 2^-8 ~ 4e-3, one bf16 rounding unit: measured 4.2e-4 on an H200, while the breaks this guards

@@ -57,6 +57,7 @@ class TrainStepReport:
     checkpoint: str | None  # None: a broadcast step between checkpoints (trainer.checkpoint_every)
     weights_delivery: Delivery  # how the step's weights reached the engines (rank 0's view)
     weights_seconds: float  # the broadcast (start..finish) or the reload rank 0 ran; 0 in checkpoint mode
+    compiled_blocks: int  # the blocks trainer.compile compiled (0: eager), so a run's log says it took effect
 
 
 def checkpoint_due(step: int, every: int, last_step: int, delivery: Delivery) -> bool:
@@ -104,8 +105,8 @@ class Trainer:
         self.model.train()
         if cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if cfg.compile:  # before FSDP: its hooks stay outside the compiled blocks
-            compile_blocks(self.model)
+        # before FSDP: its hooks stay outside the compiled blocks
+        self.compiled_blocks = compile_blocks(self.model) if cfg.compile else 0
         if self.sharded:
             full_state = self.model.state_dict() if dist.is_main else {}
             shard_model(self.model, dist.device)
@@ -223,6 +224,7 @@ class Trainer:
             checkpoint=str(saved) if saved is not None else None,
             weights_delivery=sent.delivery,
             weights_seconds=sent.seconds,
+            compiled_blocks=self.compiled_blocks,
         )
         self.step = batch.step
         if self.dist.is_main:
