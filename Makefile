@@ -42,7 +42,11 @@ K8S_LDFLAGS := -s -w -X $(K8S_STAMP).gitVersion=$(K8S_VERSION) -X $(K8S_STAMP).g
   -X $(K8S_STAMP).gitMinor=37 -X $(K8S_STAMP).gitTreeState=clean
 # The Go toolchain of the machine (/usr/local/go when it is not on PATH).
 GO := $(or $(shell command -v go 2>/dev/null),/usr/local/go/bin/go)
-GO_BUILD := GOTOOLCHAIN=local GOFLAGS=-buildvcs=false nice -n 10 $(GO) build -trimpath
+# Go's build and module caches (~6 GB that nothing reads once the tools exist) live in .tools/go and go when
+# every tool is built (TOOLS_BUILT), before the images need the disk; a tool rebuilds only when its pinned
+# go.mod changes, then from a fresh download.
+GO_CACHES := GOCACHE=$(CURDIR)/.tools/go/build GOMODCACHE=$(CURDIR)/.tools/go/mod
+GO_BUILD := $(GO_CACHES) GOTOOLCHAIN=local GOFLAGS=-buildvcs=false nice -n 10 $(GO) build -trimpath
 
 $(K8S_CONTROL_PLANE) &: tools/k8s/kubernetes/go.mod tools/k8s/kubernetes/go.sum
 	mkdir -p $(K8S)
@@ -61,8 +65,8 @@ $(K8S)/kwok: tools/k8s/kwok/go.mod tools/k8s/kwok/go.sum
 # The monitoring.coreos.com CRDs (ServiceMonitor, PodMonitor, PrometheusRule...), from the pinned module's files.
 $(K8S)/prometheus-operator-crds: tools/k8s/prometheus-operator/go.mod tools/k8s/prometheus-operator/go.sum
 	rm -rf $@ && mkdir -p $@
-	cd tools/k8s/prometheus-operator && $(GO) mod download github.com/prometheus-operator/prometheus-operator && \
-	  cp "$$($(GO) list -m -f '{{.Dir}}' github.com/prometheus-operator/prometheus-operator)"/example/prometheus-operator-crd/*.yaml \
+	cd tools/k8s/prometheus-operator && $(GO_CACHES) $(GO) mod download github.com/prometheus-operator/prometheus-operator && \
+	  cp "$$($(GO_CACHES) $(GO) list -m -f '{{.Dir}}' github.com/prometheus-operator/prometheus-operator)"/example/prometheus-operator-crd/*.yaml \
 	  $(CURDIR)/$@/
 	chmod u+w $@/*.yaml
 
@@ -129,19 +133,25 @@ $(BUILDAH):
 
 images: $(IMAGE_ARCHIVES)
 
-tools: $(K8S_TOOLS)
+TOOLS_BUILT := $(K8S)/.built
+$(TOOLS_BUILT): $(K8S_TOOLS)
+	chmod -R u+w .tools/go 2>/dev/null || true  # the module cache is read-only
+	rm -rf .tools/go
+	touch $@
+
+tools: $(TOOLS_BUILT)
 
 # For people: a cluster like the tests' one; prints `export KUBECONFIG=...`, runs until Ctrl-C.
-cluster: $(INSTALLED) $(K8S_TOOLS) $(IMAGE_ARCHIVES)
+cluster: $(INSTALLED) $(TOOLS_BUILT) $(IMAGE_ARCHIVES)
 	cd tests && exec ../$(PY) -m kube.cluster
 # --- end of the control plane --------------------------------------------------------------------------
 
-install: $(INSTALLED) $(PROMETHEUS) $(K8S_TOOLS)
+install: $(INSTALLED) $(PROMETHEUS) $(TOOLS_BUILT)
 
-test: $(INSTALLED) $(PROMETHEUS) $(K8S_TOOLS) $(IMAGE_ARCHIVES)
+test: $(INSTALLED) $(PROMETHEUS) $(TOOLS_BUILT) $(IMAGE_ARCHIVES)
 	$(PY) -m pytest -q
 
-test-fast: $(INSTALLED) $(PROMETHEUS) $(K8S_TOOLS)
+test-fast: $(INSTALLED) $(PROMETHEUS) $(TOOLS_BUILT)
 	$(PY) -m pytest -q -m 'not slow'
 
 # Each demo starts clean: rawmm run refuses a shared directory that already holds a run. The learning run,
