@@ -80,13 +80,12 @@ def checkpoint_of(model: Any, served: VllmServer, name: str) -> Path:
     return path
 
 
-def test_a_broadcast_generates_what_a_reload_of_the_same_weights_does(
-    served: VllmServer, token: None
-) -> None:
-    before = generate(served)
-    version = before["weights_version"]
+def race_an_update(served: VllmServer, seed: int) -> tuple[dict[str, Any], dict[str, Any], float, Any, Any]:
+    """Broadcasts `trained(seed)`'s weights once a long generation decodes. Returns that racing generation,
+    the same long generation before (the weights it must have run on), when the update started, the
+    update's report and the model."""
     long_before = generate(served, max_tokens=RACE_TOKENS)
-    model = trained(served.model, seed=1)
+    model = trained(served.model, seed=seed)
     client = HttpWeightSyncClient([served.url])
     sender = BroadcastSender.trainer_init(
         model, client, master_address="127.0.0.1", bucket_bytes=BUCKET_BYTES
@@ -99,22 +98,38 @@ def test_a_broadcast_generates_what_a_reload_of_the_same_weights_does(
 
         race = threading.Thread(target=race_the_update)
         race.start()
-        # The update starts while it decodes (vLLM counts it running), not after a guessed delay.
+        # The update starts while it decodes (vLLM counts it running), not after a guessed delay; a generation
+        # that ended before a scrape saw it running raced nothing (the caller tries again).
         deadline = time.monotonic() + 60
-        while counts(served)["running"] < 1:
-            assert time.monotonic() < deadline and race.is_alive(), "the racing generation never ran"
+        while race.is_alive() and counts(served)["running"] < 1:
+            assert time.monotonic() < deadline, "the racing generation never ran"
         sending = time.monotonic()
-        report = sender.send_weights("1")
+        report = sender.send_weights(str(seed))
         race.join()
     finally:
         sender.shutdown()
         client.close()
+    return racing, long_before, sending, report, model
+
+
+def test_a_broadcast_generates_what_a_reload_of_the_same_weights_does(
+    served: VllmServer, token: None
+) -> None:
+    before = generate(served)
+    # On a loaded machine the racing generation can end before a scrape sees it running, or as that scrape
+    # returns, and the update then starts after it: no race. Race again, on the weights the last update left.
+    for seed in (1, 2, 3):
+        racing, long_before, sending, report, model = race_an_update(served, seed)
+        if racing["done"] > sending:  # it did run during the update's start
+            break
+    else:
+        pytest.fail("the update never started while the racing generation decoded")
+    version = long_before["weights_version"]
     assert report is not None
     assert report.versions == {served.url: version + 1}
     assert report.buckets > 5
     assert report.bytes_sent == sum(p.numel() * 4 for p in model.parameters())
     # The update waited for the running generation, which ran wholly on the old weights.
-    assert racing["done"] > sending  # (it did run during the update's start)
     assert racing["weights_version"] == version
     assert outputs(racing) == outputs(long_before)
 
@@ -123,7 +138,7 @@ def test_a_broadcast_generates_what_a_reload_of_the_same_weights_does(
     assert outputs(broadcast) != outputs(before)
 
     # The same weights through a checkpoint: the same outputs, bit for bit.
-    reloaded_response = served.load_weights(checkpoint_of(model, served, "step_1"))
+    reloaded_response = served.load_weights(checkpoint_of(model, served, f"step_{seed}"))
     assert reloaded_response.status_code == 200, reloaded_response.text
     reloaded = generate(served)
     assert reloaded["weights_version"] == version + 2
