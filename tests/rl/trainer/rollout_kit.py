@@ -20,9 +20,9 @@ from rawmm.rl.batches import write_batch
 from rawmm.rl.orchestrator.rollout import PromptRenderer
 from rawmm.rl.samples import RolloutBatch, Sample, completion_sample
 from rawmm.rl.trainer.forward import forward_logprobs
-from rawmm.rl.trainer.loss import policy_gradient_loss
+from rawmm.rl.trainer.loss import LossParts, policy_gradient_loss
 from rawmm.rl.trainer.materializer import MaterializedMicroBatch, RawImageMaterializer
-from rawmm.rl.trainer.packing import concat_samples
+from rawmm.rl.trainer.packing import PackedMicroBatch, concat_samples
 
 
 def random_image(width: int, height: int, seed: int) -> Image.Image:
@@ -164,6 +164,22 @@ def shared_image_micro_batch(
     return materializer.materialize(concat_samples(samples)), materializer
 
 
+def batch_loss(
+    new: torch.Tensor, batch: PackedMicroBatch, mask: torch.Tensor, *, step_tokens: int
+) -> LossParts:
+    """The trainer's loss of `new` logprobs on `batch` (its engine logprobs and advantages) at the default clip
+    ratios."""
+    return policy_gradient_loss(
+        new,
+        torch.tensor(batch.logprobs),
+        torch.tensor(batch.advantages),
+        mask,
+        clip_low=0.2,
+        clip_high=0.28,
+        step_tokens=step_tokens,
+    )
+
+
 def loss_and_grads(
     model: torch.nn.Module, m: MaterializedMicroBatch, materializer: RawImageMaterializer, *, once: bool
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[int]]:
@@ -176,15 +192,7 @@ def loss_and_grads(
     policy, normalizer = materializer.forward_policy, materializer.normalizer
     new = forward_logprobs(model, m.batch, kwargs, policy, normalizer=normalizer, image_index=index)
     mask = torch.tensor(m.batch.loss_mask)
-    parts = policy_gradient_loss(
-        new,
-        torch.tensor(m.batch.logprobs),
-        torch.tensor(m.batch.advantages),
-        mask,
-        clip_low=0.2,
-        clip_high=0.28,
-        step_tokens=int(mask.sum()),
-    )
+    parts = batch_loss(new, m.batch, mask, step_tokens=int(mask.sum()))
     parts.loss.backward()
     hook.remove()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}

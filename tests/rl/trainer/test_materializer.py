@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from rollout_kit import batch_loss
 from transformers import AutoTokenizer
 
 from rawmm.contract import InvalidImageRef, RawImageDescriptor, render_chat
@@ -16,7 +17,6 @@ from rawmm.materialize import get_adapter, load_processor
 from rawmm.materialize.normalize import PixelNormalizer
 from rawmm.rl.samples import Sample, build_mm_refs
 from rawmm.rl.trainer.forward import forward_logprobs, sample_starts
-from rawmm.rl.trainer.loss import policy_gradient_loss
 from rawmm.rl.trainer.materializer import MaterializedMicroBatch, MissingImageError, RawImageMaterializer
 from rawmm.rl.trainer.packing import PackedMicroBatch, concat_samples
 
@@ -186,15 +186,7 @@ def loss_and_grads(model, materializer, batch: PackedMicroBatch, step_tokens: in
         model, out.batch, out.mm_kwargs(), materializer.forward_policy, normalizer=materializer.normalizer
     )
     mask = torch.tensor(out.batch.loss_mask) & ~sample_starts(out.batch.seq_lens)
-    parts = policy_gradient_loss(
-        new,
-        torch.tensor(out.batch.logprobs),
-        torch.tensor(out.batch.advantages),
-        mask,
-        clip_low=0.2,
-        clip_high=0.28,
-        step_tokens=step_tokens,
-    )
+    parts = batch_loss(new, out.batch, mask, step_tokens=step_tokens)
     parts.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return parts.loss.detach(), grads, int(parts.tokens)
