@@ -19,20 +19,25 @@ from rawmm.rl.trainer.loop import Trainer
 pytestmark = pytest.mark.slow  # each family compiles its blocks on CPU: tens of seconds
 
 
+@pytest.fixture(scope="module")
+def compiler_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One for the module: a graph that an earlier test compiled loads from it, not compiled again."""
+    return tmp_path_factory.mktemp("inductor")
+
+
 @pytest.fixture(autouse=True)
-def compiler_in_tmp(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[None]:
+def compiler_in_tmp(compiler_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The compiler's caches (kernels, and the precompiled headers it writes under the system temp directory
-    whatever its cache dir says) in a temp dir of the test's, and a compiler that forgets every graph."""
+    whatever its cache dir says) in the module's temp dir, and a compiler that forgets every graph it
+    traced."""
     from torch._inductor import codecache
 
-    cache = tmp_path_factory.mktemp("inductor")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(compiler_cache))
     for attribute in ("_HEADER_DIR", "_HEADER_LOCK_DIR"):
         if hasattr(codecache, attribute):
-            monkeypatch.setattr(codecache, attribute, str(cache / "headers" / attribute.lower()))
+            monkeypatch.setattr(codecache, attribute, str(compiler_cache / "headers" / attribute.lower()))
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps them: each test counts its own graphs
     yield
     torch._dynamo.reset()
 
