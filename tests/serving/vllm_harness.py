@@ -301,3 +301,22 @@ def picture(seed: int, width: int, height: int) -> Image.Image:
     rng = np.random.default_rng(seed)
     coarse = rng.integers(0, 256, (max(2, height // 8), max(2, width // 8), 3), dtype=np.uint8)
     return Image.fromarray(coarse).resize((width, height), Image.Resampling.BILINEAR)
+
+
+def request_counts(server: VllmServer) -> dict[str, float]:
+    """From one scrape: vLLM's running requests, its requests that finished by themselves (stop or length),
+    the tokens it generated, and rawmm's cancelled generate requests."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30.0).text
+    samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+    def total(name: str, label: str = "", values: tuple[str, ...] = ()) -> float:
+        return sum(
+            s.value for s in samples if s.name == name and (not label or s.labels.get(label) in values)
+        )
+
+    return {
+        "running": total("vllm:num_requests_running"),
+        "finished": total("vllm:request_success_total", "finished_reason", ("stop", "length")),
+        "generated": total("vllm:generation_tokens_total"),
+        "cancelled": total("rawmm_engine_requests_total", "status", ("cancelled",)),
+    }
