@@ -62,3 +62,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ]
     if unmarked:
         raise pytest.UsageError(f"tests using {sorted(CLUSTER_FIXTURES)} must be marked cluster: {unmarked}")
+    # The real-pod runs go last: the GBs of images they run import in the background from the node's start
+    # (tests/kube/conftest.py's `real_node`), meanwhile the rest of the session runs.
+    items.sort(key=lambda item: item.get_closest_marker("run_images") is not None)

@@ -41,6 +41,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,6 +278,7 @@ class KubeCluster:
     network: NodeNetwork | None = None  # the real node's namespaces, when the cluster can have one
     node_processes: list[Process] = field(default_factory=list)
     imported: set[str] = field(default_factory=set)  # the built rawmm images in the node's containerd
+    _importing: Future[None] | None = None  # `import_images_in_background`'s, until `import_images` waits
     _names: Iterator[int] = field(default_factory=lambda: iter(range(1, 1 << 30)))
 
     def start_node(self, timeout: float = 180, names: Iterable[str] | None = None) -> None:
@@ -383,9 +385,30 @@ class KubeCluster:
             f"http://{network.node_ip}:{ready_port}/ready", "CoreDNS ready", alive, timeout=timeout
         )
 
+    def import_images_in_background(self, *names: str) -> None:
+        """Start importing `names` (as `import_images`) while other tests run: the run images are GBs, minutes
+        of mostly disk. `import_images` waits for it, and raises what it raised."""
+        if self._importing is None:
+            self._importing = Future()
+            threading.Thread(target=self._import_into, args=(self._importing, names), daemon=True).start()
+
+    def _import_into(self, done: Future[None], names: tuple[str, ...]) -> None:
+        try:
+            self._import(names)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the import
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+
     def import_images(self, *names: str) -> None:
         """Import the built rawmm images of `names` into the node's containerd (once each), under their
-        published names (`ghcr.io/rawmm/rawmm-<name>:<version>`)."""
+        published names (`ghcr.io/rawmm/rawmm-<name>:<version>`), after a background import still running."""
+        if self._importing is not None:
+            importing, self._importing = self._importing, None
+            importing.result()
+        self._import(names)
+
+    def _import(self, names: Iterable[str]) -> None:
         from kube import images
 
         if self.network is None:

@@ -20,8 +20,13 @@ from kube.cluster import KubeCluster, wait_for
 from kube.installs import RELEASE_NAMESPACE, helm_release, ready_operator_pod
 from rawmm.contract.shared_dir import latest_step
 
-# Each test runs a whole RLRun on 2 cores (the first also imports the run images: minutes).
-pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1500)]
+# Each test runs a whole RLRun on 2 cores (the first waits for the run images' import, if still running).
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.slow,
+    pytest.mark.timeout(1500),
+    pytest.mark.run_images("trainer", "inference"),
+]
 
 EXAMPLES = node.REPO / "manifests" / "examples"
 ON_REAL_NODE = node.for_real_node({})
