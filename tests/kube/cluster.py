@@ -267,6 +267,9 @@ class OperatorProcess:
 # --- the cluster -----------------------------------------------------------------------------------------
 
 
+BACKGROUND_NICE = 19  # the background image import's
+
+
 @dataclass
 class KubeCluster:
     """A running control plane; see the module docstring. `kubeconfig` is the admin's."""
@@ -393,12 +396,24 @@ class KubeCluster:
             threading.Thread(target=self._import_into, args=(self._importing, names), daemon=True).start()
 
     def _import_into(self, done: Future[None], names: tuple[str, ...]) -> None:
+        # At the lowest CPU priority, ctr (this thread's child) and containerd both, while the import runs: the
+        # tests beside it keep the CPUs they measure (the parallel-miss test saw one CPU, not two, without).
+        # Linux's nice value is per thread: the session's other threads keep theirs. (Pods the node starts
+        # meanwhile inherit it through their shims: they share the CPUs with the import, as before.)
+        containerd = [process.popen.pid for process in self.node_processes if process.name == "containerd"]
         try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+            for group in containerd:
+                os.setpriority(os.PRIO_PGRP, group, BACKGROUND_NICE)
             self._import(names)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the import
             done.set_exception(exc)
         else:
             done.set_result(None)
+        finally:
+            for group in containerd:
+                with contextlib.suppress(ProcessLookupError):
+                    os.setpriority(os.PRIO_PGRP, group, 0)
 
     def import_images(self, *names: str) -> None:
         """Import the built rawmm images of `names` into the node's containerd (once each), under their
