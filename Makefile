@@ -24,10 +24,12 @@ PROMETHEUS := .tools/prometheus/usr/bin/prometheus
 # The set-up builds its targets in parallel (SETUP_JOBS): apt-get takes one at a time, as `apt-get update`
 # locks the package lists that another's download reads (each recipe that runs it made a folder in .tools).
 APT_GET := flock $(CURDIR)/.tools/.apt.lock apt-get
+# $(call apt_download,PACKAGES): their .debs into the current directory, updating the lists only if needed.
+apt_download = { $(APT_GET) download $(1) || { $(APT_GET) update -q && $(APT_GET) download $(1); }; }
 
 $(PROMETHEUS):
 	rm -rf .tools/prometheus .tools/prometheus-deb && mkdir -p .tools/prometheus-deb
-	cd .tools/prometheus-deb && { $(APT_GET) download prometheus || { $(APT_GET) update -q && $(APT_GET) download prometheus; }; }
+	cd .tools/prometheus-deb && $(call apt_download,prometheus)
 	dpkg-deb -x .tools/prometheus-deb/prometheus_*.deb .tools/prometheus
 	rm -rf .tools/prometheus-deb
 	$@ --version
@@ -88,7 +90,7 @@ NODE_TOOLS := $(K8S_NODE) $(K8S)/coredns $(K8S)/pause $(NODE_DEBS)
 
 $(NODE_DEBS):
 	rm -rf $(NODE) && mkdir -p $(NODE)/debs $(NODE)/bin
-	cd $(NODE)/debs && { $(APT_GET) download $(NODE_PACKAGES) || { $(APT_GET) update -q && $(APT_GET) download $(NODE_PACKAGES); }; }
+	cd $(NODE)/debs && $(call apt_download,$(NODE_PACKAGES))
 	for deb in $(NODE)/debs/*.deb; do dpkg-deb -x "$$deb" $(NODE)/root && dpkg-deb -f "$$deb" Package Version | paste -sd' ' >> $(NODE)/versions; done
 	rm -rf $(NODE)/debs
 	for name in iptables iptables-save iptables-restore ip6tables ip6tables-save ip6tables-restore; do \
@@ -123,7 +125,7 @@ IMAGE_ARCHIVES := $(IMAGES:%=.tools/images/rawmm-%.tar)
 
 $(BUILDAH):
 	rm -rf .tools/buildah && mkdir -p .tools/buildah/debs
-	cd .tools/buildah/debs && { $(APT_GET) download $(BUILDAH_PACKAGES) || { $(APT_GET) update -q && $(APT_GET) download $(BUILDAH_PACKAGES); }; }
+	cd .tools/buildah/debs && $(call apt_download,$(BUILDAH_PACKAGES))
 	for deb in .tools/buildah/debs/*.deb; do dpkg-deb -x "$$deb" .tools/buildah/root; done
 	rm -rf .tools/buildah/debs
 	LD_LIBRARY_PATH=.tools/buildah/root/usr/lib/x86_64-linux-gnu:.tools/buildah/root/lib/x86_64-linux-gnu $@ --version
@@ -148,6 +150,7 @@ tools: $(TOOLS_BUILT)
 # the images' downloads (network) and the image commits (disk) overlap. Each target's output stays whole.
 SETUP_JOBS ?= 4
 SETUP_FLAGS = --no-print-directory -j$(SETUP_JOBS) --output-sync=target
+INSTALL_PARTS = $(INSTALLED) $(PROMETHEUS) $(TOOLS_BUILT)
 
 # For people: a cluster like the tests' one; prints `export KUBECONFIG=...`, runs until Ctrl-C.
 cluster:
@@ -156,14 +159,14 @@ cluster:
 # --- end of the control plane --------------------------------------------------------------------------
 
 install:
-	+$(MAKE) $(SETUP_FLAGS) $(INSTALLED) $(PROMETHEUS) $(TOOLS_BUILT)
+	+$(MAKE) $(SETUP_FLAGS) $(INSTALL_PARTS)
 
 test:
-	+$(MAKE) $(SETUP_FLAGS) $(INSTALLED) $(PROMETHEUS) $(TOOLS_BUILT) $(IMAGE_ARCHIVES)
+	+$(MAKE) $(SETUP_FLAGS) $(INSTALL_PARTS) $(IMAGE_ARCHIVES)
 	$(PY) -m pytest -q
 
 test-fast:
-	+$(MAKE) $(SETUP_FLAGS) $(INSTALLED) $(PROMETHEUS) $(TOOLS_BUILT)
+	+$(MAKE) $(SETUP_FLAGS) $(INSTALL_PARTS)
 	$(PY) -m pytest -q -m 'not slow'
 
 # Each demo starts clean: rawmm run refuses a shared directory that already holds a run. The learning run,
