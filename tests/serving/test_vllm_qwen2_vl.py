@@ -3,9 +3,8 @@
 Raw refs through ``/v1/rawmm/generate`` must equal vLLM's own image path (``/v1/chat/completions`` with
 the same bytes as data URLs) on the same server; a generate whose client hangs up is aborted in vLLM; a
 weight update must behave like a fresh server; bad requests are 400s with reasons; a dead engine core is a
-503. The engine-death test kills the server's
-engine, so it runs last. vLLM's multimodal cache is 1 MiB: a few of the small test images fit, a
-concurrent multi-turn burst keeps it evicting.
+503. The engine-death test kills the server's engine, so it runs last. vLLM's multimodal cache is 1 MiB: a
+few of the small test images fit, a concurrent multi-turn burst keeps it evicting.
 """
 
 from __future__ import annotations
